@@ -1,0 +1,12 @@
+"""sinkflex: GRPO for long-horizon, tool-using LLM agents with sink-aware FlexAttention.
+
+Importing the package registers the Gymnasium environments (``sinkflex/Retail-v0``,
+``sinkflex/RetailHTTP-v0``, ``sinkflex/BankSQL-v0``); everything heavier (torch models, attention,
+rollouts, training) is imported from its own module on demand.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from . import envs  # noqa: E402,F401  (registers the environments)

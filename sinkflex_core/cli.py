@@ -1,0 +1,141 @@
+"""The ``sinkflex`` command: what the Makefile does, reachable without make.
+
+    sinkflex notebooks list            the tutorials, in order, with their parameters
+    sinkflex reproduce [--only 03]     run the notebooks headless (papermill)
+    sinkflex test [--no-notebooks]     ruff + pytest + nbval (smoke mode)
+    sinkflex env                       versions, device, FlexAttention and vLLM status
+    sinkflex train ...                 the GRPO trainer (see `sinkflex train --help`)
+    sinkflex bench vram ...            the VRAM comparison harness
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import subprocess
+import sys
+
+
+def _parse_param(text: str) -> tuple[str, object]:
+    import ast
+
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"parameter must look like name=value, got {text!r}")
+    name, value = text.split("=", 1)
+    try:
+        return name.strip(), ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return name.strip(), value
+
+
+def _cmd_notebooks(args) -> int:
+    from .notebooks import list_notebooks, store_outputs
+
+    if args.action == "list":
+        for nb in list_notebooks():
+            params = ", ".join(f"{k}={v!r}" for k, v in nb.parameters.items())
+            print(f"{nb.name}\n    {nb.title}\n    parameters: {params or '(none)'}")
+        return 0
+    # store: refresh the stored (smoke-mode) outputs that nbval compares against
+    names = args.names or [nb.name for nb in list_notebooks()]
+    for nb in list_notebooks():
+        if any(nb.name.startswith(n) for n in names):
+            print(f"storing smoke-mode outputs of {nb.name}", flush=True)
+            store_outputs(nb.path)
+    return 0
+
+
+def _cmd_reproduce(args) -> int:
+    from .notebooks import reproduce
+
+    return reproduce(only=args.only, parameters=dict(args.param or []), smoke=args.smoke, force=args.force)
+
+
+def _cmd_test(args) -> int:
+    from .paths import repo_root
+
+    root = repo_root()
+    env = dict(os.environ, SINKFLEX_SMOKE="1", MPLBACKEND="Agg", JUPYTER_PLATFORM_DIRS="1")
+    print("== ruff check", flush=True)
+    rc = subprocess.call([sys.executable, "-m", "ruff", "check", "."], cwd=root, env=env)
+    if rc:
+        return rc
+    cmd = [sys.executable, "-m", "pytest", "tests"]
+    if not args.no_notebooks:
+        cmd += ["notebooks", "--nbval-lax", "--nbval-current-env",
+                "--nbval-sanitize-with", "tests/nbval_sanitize.cfg"]
+    cmd += ["-m", "not vllm and not gpu", *args.pytest_args]
+    print("== " + " ".join(cmd[2:]), flush=True)
+    rc = subprocess.call(cmd, cwd=root, env=env)
+    if rc == 5:
+        print("pytest collected no test: counted as a failure", file=sys.stderr)
+        return 1
+    return rc
+
+
+def _cmd_env(args) -> int:
+    from .system import print_report
+
+    print_report()
+    return 0
+
+
+def _delegate(module: str):
+    def run(args) -> int:
+        mod = importlib.import_module(module)
+        return int(mod.main(args.rest) or 0)
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sinkflex", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    nb = sub.add_parser("notebooks", help="list the tutorials, or refresh their stored outputs")
+    nb.add_argument("action", choices=["list", "store"])
+    nb.add_argument("names", nargs="*", help="notebook name prefixes for `store` (default: all)")
+    nb.set_defaults(func=_cmd_notebooks)
+
+    rp = sub.add_parser("reproduce", help="run every notebook headless with papermill")
+    rp.add_argument("--only", nargs="+", help="notebook name prefixes, e.g. 00 03")
+    rp.add_argument("-p", "--param", action="append", type=_parse_param, metavar="NAME=VALUE",
+                    help="notebook parameter, passed to every notebook that declares it")
+    rp.add_argument("--smoke", action="store_true", help="run in smoke mode (seconds per notebook)")
+    rp.add_argument("--force", action="store_true", help="re-run notebooks even if nothing changed")
+    rp.set_defaults(func=_cmd_reproduce)
+
+    ts = sub.add_parser("test", help="ruff + pytest + nbval (what `make test` runs)")
+    ts.add_argument("--no-notebooks", action="store_true", help="skip the nbval notebook checks")
+    ts.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
+    ts.set_defaults(func=_cmd_test)
+
+    ev = sub.add_parser("env", help="versions, device, FlexAttention and vLLM status")
+    ev.set_defaults(func=_cmd_env)
+
+    tr = sub.add_parser("train", help="the GRPO trainer", add_help=False)
+    tr.add_argument("rest", nargs=argparse.REMAINDER)
+    tr.set_defaults(func=_delegate("sinkflex_core.train"))
+
+    bench = sub.add_parser("bench", help="benchmarks (vram)", add_help=False)
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_delegate("sinkflex_core.bench"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ModuleNotFoundError as err:
+        if err.name and err.name.startswith("sinkflex_core."):
+            print(f"sinkflex: `{args.command}` is not available in this version ({err.name} missing)",
+                  file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Find, describe and run the tutorial notebooks headless (papermill).
+
+Notebooks are ``notebooks/NN_name.ipynb``; they run in name order. Each has a cell tagged
+``parameters`` with a ``smoke`` flag; the test suite sets ``SINKFLEX_SMOKE=1`` so that every notebook
+takes seconds. Executed copies go to ``build/notebooks/`` (git ignores it); a notebook whose source,
+library code and parameters have not changed since its last successful run is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .paths import build_dir, notebooks_dir, repo_root
+
+SMOKE_ENV = "SINKFLEX_SMOKE"
+KERNEL_NAME = "sinkflex"
+_NOTEBOOK_RE = re.compile(r"^\d\d_[\w-]+\.ipynb$")
+
+
+def resolve_smoke(smoke: bool = False) -> bool:
+    """A notebook's effective smoke flag: its ``smoke`` parameter, or ``SINKFLEX_SMOKE=1`` in the
+    environment (how the test suite, which cannot pass parameters, makes notebooks fast)."""
+    return bool(smoke) or os.environ.get(SMOKE_ENV, "0").strip().lower() in {"1", "true", "yes"}
+
+
+@dataclass(frozen=True)
+class NotebookInfo:
+    path: Path
+    title: str
+    summary: str
+    parameters: dict
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def _read(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _source(cell: dict) -> str:
+    src = cell.get("source", "")
+    return "".join(src) if isinstance(src, list) else src
+
+
+def parameters_of(nb: dict) -> dict:
+    """The names and literal defaults assigned in the cell tagged ``parameters`` (``{}`` if none)."""
+    import ast
+
+    for cell in nb.get("cells", []):
+        if "parameters" in cell.get("metadata", {}).get("tags", []):
+            params = {}
+            for node in ast.parse(_source(cell)).body:
+                if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                    try:
+                        params[node.targets[0].id] = ast.literal_eval(node.value)
+                    except ValueError:
+                        params[node.targets[0].id] = ast.unparse(node.value)
+            return params
+    return {}
+
+
+def describe(path: Path) -> NotebookInfo:
+    """Title (first markdown heading) and summary (first paragraph after it) of a notebook."""
+    nb = _read(path)
+    title, summary = path.stem, ""
+    for cell in nb.get("cells", []):
+        if cell.get("cell_type") == "markdown":
+            lines = _source(cell).strip().splitlines()
+            if lines and lines[0].startswith("#"):
+                title = lines[0].lstrip("#").strip()
+                paragraph = []
+                for line in lines[1:]:
+                    if not line.strip():
+                        if paragraph:
+                            break
+                        continue
+                    paragraph.append(line.strip())
+                summary = " ".join(paragraph)
+            break
+    return NotebookInfo(path=path, title=title, summary=summary, parameters=parameters_of(nb))
+
+
+def list_notebooks(folder: Path | None = None) -> list[NotebookInfo]:
+    """Every ``NN_name.ipynb`` in ``notebooks/``, in run order."""
+    folder = folder or notebooks_dir()
+    return [describe(p) for p in sorted(folder.iterdir()) if _NOTEBOOK_RE.match(p.name)]
+
+
+def _library_digest() -> str:
+    h = hashlib.sha256()
+    pkg = Path(__file__).resolve().parent
+    for path in sorted(pkg.rglob("*")):
+        if path.is_file() and path.suffix in {".py", ".json", ".md", ".jinja"}:
+            h.update(str(path.relative_to(pkg)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _kernel_name() -> str:
+    """Our kernel, registered inside the venv by `make setup`; else the running interpreter."""
+    try:
+        from jupyter_client.kernelspec import KernelSpecManager
+
+        if KERNEL_NAME in KernelSpecManager().find_kernel_specs():
+            return KERNEL_NAME
+    except Exception:  # jupyter_client missing or broken: papermill will say so
+        pass
+    return "python3"
+
+
+class NotebookFailed(RuntimeError):
+    """A notebook raised: names the notebook, the cell and where the executed copy is."""
+
+
+def run_notebook(path: Path, parameters: dict | None = None, out_dir: Path | None = None,
+                 smoke: bool | None = None, timeout: int | None = None, progress: bool = True) -> Path:
+    """Execute one notebook with papermill; return the executed copy's path.
+
+    Raises :class:`NotebookFailed` naming the failing cell."""
+    import papermill as pm
+
+    out_dir = out_dir or build_dir() / "notebooks"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / path.name
+    env_before = os.environ.get(SMOKE_ENV)
+    if smoke is not None:
+        os.environ[SMOKE_ENV] = "1" if smoke else "0"
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    try:
+        pm.execute_notebook(str(path), str(out), parameters=parameters or {}, kernel_name=_kernel_name(),
+                            cwd=str(path.parent), progress_bar=progress, execution_timeout=timeout,
+                            log_output=False)
+    except pm.PapermillExecutionError as err:
+        first = (err.source or "").strip().splitlines()[:1]
+        # papermill counts cells of the executed copy, which holds an injected parameters cell;
+        # name the cell by its position in the notebook the user edits (0-based, like papermill).
+        sources = [_source(c) for c in _read(path).get("cells", [])]
+        index = sources.index(err.source) if err.source in sources else err.cell_index
+        raise NotebookFailed(
+            f"{path.name} failed in cell {index} (execution count {err.exec_count}): "
+            f"{err.ename}: {err.evalue}\n"
+            f"  cell starts: {first[0] if first else ''}\n"
+            f"  executed copy with the full traceback: {os.path.relpath(out)}"
+        ) from None
+    finally:
+        if smoke is not None:
+            if env_before is None:
+                os.environ.pop(SMOKE_ENV, None)
+            else:
+                os.environ[SMOKE_ENV] = env_before
+    return out
+
+
+def _fingerprint(path: Path, parameters: dict, smoke: bool) -> str:
+    h = hashlib.sha256(path.read_bytes())
+    h.update(_library_digest().encode())
+    h.update(json.dumps({"params": parameters, "smoke": smoke}, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def reproduce(only: list[str] | None = None, parameters: dict | None = None, smoke: bool = False,
+              force: bool = False, out_dir: Path | None = None, stream=sys.stdout) -> int:
+    """Run the notebooks in order (all, or those whose name starts with one of ``only``).
+
+    Prints which notebook runs and how long it took; stops at the first failure with a message
+    naming the notebook and cell. Returns a process exit code."""
+    notebooks = list_notebooks()
+    if only:
+        notebooks = [nb for nb in notebooks if any(nb.name.startswith(o) for o in only)]
+        if not notebooks:
+            print(f"no notebook matches {only}; `sinkflex notebooks list` shows them", file=stream)
+            return 2
+    out_dir = out_dir or build_dir() / "notebooks"
+    parameters = parameters or {}
+    t_all = time.perf_counter()
+    for i, nb in enumerate(notebooks, 1):
+        params = {k: v for k, v in parameters.items() if k in nb.parameters}
+        stamp = out_dir / (nb.path.stem + ".done")
+        fp = _fingerprint(nb.path, params, smoke)
+        if not force and stamp.exists() and stamp.read_text() == fp and (out_dir / nb.name).exists():
+            print(f"[{i}/{len(notebooks)}] {nb.name}: unchanged since its last run, skipped", file=stream)
+            continue
+        print(f"[{i}/{len(notebooks)}] {nb.name}: {nb.title}", file=stream, flush=True)
+        t0 = time.perf_counter()
+        try:
+            out = run_notebook(nb.path, params, out_dir, smoke=smoke, progress=stream.isatty())
+        except NotebookFailed as err:
+            print(f"FAILED after {time.perf_counter() - t0:.1f} s: {err}", file=stream, flush=True)
+            stamp.unlink(missing_ok=True)
+            return 1
+        stamp.write_text(fp)
+        print(f"    done in {time.perf_counter() - t0:.1f} s -> {os.path.relpath(out, repo_root())}",
+              file=stream, flush=True)
+    print(f"all {len(notebooks)} notebooks ran in {time.perf_counter() - t_all:.1f} s; "
+          f"figures in figures/, results in data/", file=stream)
+    return 0
+
+
+def store_outputs(path: Path) -> None:
+    """Execute a notebook in smoke mode and write it back in place with its outputs, so that nbval
+    has stored outputs to compare the cells marked ``nbval-check-output`` against."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = run_notebook(path, {}, Path(tmp), smoke=True, progress=False)
+        nb = _read(out)
+    nb.get("metadata", {}).pop("papermill", None)
+    for cell in nb["cells"]:
+        cell.get("metadata", {}).pop("papermill", None)
+        cell.get("metadata", {}).pop("execution", None)
+    nb["metadata"]["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")

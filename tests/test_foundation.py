@@ -1,0 +1,142 @@
+"""The project's scaffolding: notebook discovery and conventions, the runner, the CLI, packaging."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from sinkflex_core.notebooks import list_notebooks, parameters_of, resolve_smoke
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _nb(cells: list[tuple[str, str, list[str]]]) -> dict:
+    out = []
+    for kind, src, tags in cells:
+        cell = {"cell_type": kind, "metadata": {"tags": tags} if tags else {}, "source": src}
+        if kind == "code":
+            cell.update(execution_count=None, outputs=[])
+        out.append(cell)
+    return {"cells": out, "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                      "language": "python"}},
+            "nbformat": 4, "nbformat_minor": 5}
+
+
+def test_notebooks_found_in_order_and_follow_conventions():
+    notebooks = list_notebooks(ROOT / "notebooks")
+    names = [nb.name for nb in notebooks]
+    assert names and names[0] == "00_setup.ipynb"
+    assert names == sorted(names)
+    for nb in notebooks:
+        number = nb.name[:2]
+        assert nb.title.startswith(number), f"{nb.name}: first heading should start with {number}"
+        assert nb.summary, f"{nb.name}: needs a summary paragraph under its title"
+        assert "smoke" in nb.parameters, f"{nb.name}: its `parameters` cell must define smoke"
+        assert nb.parameters["smoke"] is False, f"{nb.name}: smoke must default to False"
+        raw = json.loads(nb.path.read_text())
+        sources = ["".join(c["source"]) if isinstance(c["source"], list) else c["source"] for c in raw["cells"]]
+        assert any("resolve_smoke(smoke)" in s for s in sources), f"{nb.name}: must call resolve_smoke(smoke)"
+
+
+def test_parameters_of_reads_literals_only_from_tagged_cell():
+    nb = _nb([("code", "smoke = True", []), ("code", "smoke = False\nseed = 3\npreset = 'tiny-cpu'", ["parameters"])])
+    assert parameters_of(nb) == {"smoke": False, "seed": 3, "preset": "tiny-cpu"}
+    assert parameters_of(_nb([("code", "x = 1", [])])) == {}
+
+
+def test_resolve_smoke_reads_environment(monkeypatch):
+    monkeypatch.setenv("SINKFLEX_SMOKE", "0")
+    assert resolve_smoke(False) is False
+    assert resolve_smoke(True) is True
+    monkeypatch.setenv("SINKFLEX_SMOKE", "1")
+    assert resolve_smoke(False) is True
+
+
+def _fake_project(tmp_path: Path, cells_by_name: dict[str, list]) -> Path:
+    (tmp_path / "pyproject.toml").write_text("[project]\nname='x'\n")
+    (tmp_path / "notebooks").mkdir()
+    for name, cells in cells_by_name.items():
+        (tmp_path / "notebooks" / name).write_text(json.dumps(_nb(cells)))
+    return tmp_path
+
+
+def _sinkflex(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, SINKFLEX_ROOT=str(cwd))
+    return subprocess.run([sys.executable, "-m", "sinkflex_core", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_reproduce_runs_in_order_skips_unchanged_and_names_failing_cell(tmp_path):
+    title = ("markdown", "# {n} · Title\n\nWhat it does.", [])
+    params = ("code", "smoke = False\nvalue = 1", ["parameters"])
+    root = _fake_project(tmp_path, {
+        "00_ok.ipynb": [title, params, ("code", "open('../made.txt', 'w').write(str(value))", [])],
+        "01_bad.ipynb": [title, params, ("code", "x = 1", []), ("code", "raise ValueError('broken on purpose')", [])],
+        "02_never.ipynb": [title, params, ("code", "open('../never.txt', 'w').write('ran')", [])],
+    })
+    first = _sinkflex(["reproduce", "-p", "value=7"], root)
+    assert first.returncode == 1, first.stdout + first.stderr
+    assert "[1/3] 00_ok.ipynb" in first.stdout
+    assert "01_bad.ipynb failed in cell 3" in first.stdout
+    assert "ValueError: broken on purpose" in first.stdout
+    assert (root / "made.txt").read_text() == "7"          # the parameter reached the notebook
+    assert not (root / "never.txt").exists()               # stopped at the first failure
+    assert (root / "build" / "notebooks" / "01_bad.ipynb").exists()
+
+    second = _sinkflex(["reproduce", "--only", "00", "-p", "value=7"], root)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "unchanged since its last run, skipped" in second.stdout
+
+
+def test_cli_lists_notebooks():
+    out = subprocess.run([sys.executable, "-m", "sinkflex_core", "notebooks", "list"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for nb in list_notebooks(ROOT / "notebooks"):
+        assert nb.name in out.stdout
+
+
+def test_cli_rejects_unknown_notebook_prefix(tmp_path):
+    root = _fake_project(tmp_path, {"00_a.ipynb": [("code", "smoke = False", ["parameters"])]})
+    out = _sinkflex(["reproduce", "--only", "99"], root)
+    assert out.returncode == 2
+    assert "no notebook matches" in out.stdout
+
+
+def test_pyproject_keeps_cpu_machines_on_cpu_torch_and_lists_extras():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    torch_req = next(d for d in meta["dependencies"] if d.startswith("torch"))
+    assert "<" in torch_req, "torch needs an upper bound so that a newer CUDA wheel is never pulled"
+    dev = " ".join(meta["optional-dependencies"]["dev"])
+    for pkg in ("pytest", "nbval>=0.11", "papermill", "jupyterlab", "ipykernel", "ruff", "hypothesis"):
+        assert pkg in dev
+    assert "vllm" in meta["optional-dependencies"]
+    assert meta["scripts"]["sinkflex"] == "sinkflex_core.cli:main"
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    assert "make test" in readme and "make reproduce" in readme
+    assert re.search(r"^make test$", (ROOT / ".ci" / "run").read_text(), re.M)
+
+
+def test_no_absolute_machine_paths_in_tracked_files():
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    pattern = re.compile(r"/(work|root|home/\w+)/[\w.-]+")
+    offenders = []
+    for name in files:
+        path = ROOT / name
+        if path.suffix in {".png", ".jpg", ".whl"} or not path.is_file():
+            continue
+        text = path.read_text(errors="ignore")
+        if pattern.search(text):
+            offenders.append(name)
+    assert offenders == []
