@@ -1,0 +1,119 @@
+"""Speed of the tool environments: reset time, tool calls per second in process, and the overhead of
+serving the same tools over HTTP on 127.0.0.1.
+
+    python benchmarks/bench_envs.py [--calls 3000] [--resets 200]
+
+Targets (issue 3): reset under 50 ms, over 1,000 tool calls per second in process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import gymnasium as gym
+
+import sinkflex_core  # noqa: F401  (registers the environments)
+from sinkflex_core.envs import OracleAgent, RetailWorld, expected_hash, format_tool_call, run_episode
+from sinkflex_core.envs.retail_world import generate_world
+
+
+def _time(fn, n: int) -> list[float]:
+    out = []
+    for i in range(n):
+        t = time.perf_counter()
+        fn(i)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def _calls(world: RetailWorld, n: int) -> list[str]:
+    orders, users = list(world.data.orders), list(world.data.users)
+    products = list(world.data.products)
+    kinds = [lambda i: format_tool_call("get_order_details", {"order_id": orders[i % len(orders)]}),
+             lambda i: format_tool_call("get_user_details", {"user_id": users[i % len(users)]}),
+             lambda i: format_tool_call("get_product_details", {"product_id": products[i % len(products)]}),
+             lambda i: format_tool_call("find_user_id_by_email", {"email": world.data.users[users[i % 500]]["email"]})]
+    return [kinds[i % len(kinds)](i) for i in range(n)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--resets", type=int, default=200)
+    parser.add_argument("--episodes", type=int, default=40)
+    args = parser.parse_args()
+    print(f"# bench_envs  python {platform.python_version()}  {platform.machine()}  gymnasium {gym.__version__}")
+
+    t = time.perf_counter()
+    generate_world(12345)
+    print(f"world generation (Python data only), cold: {1e3 * (time.perf_counter() - t):.1f} ms")
+    t = time.perf_counter()
+    world = RetailWorld.get(0)
+    print(f"world generation + SQLite master + hash, cold: {1e3 * (time.perf_counter() - t):.1f} ms")
+
+    results = {}
+    for env_id in ("sinkflex/Retail-v0", "sinkflex/RetailHTTP-v0", "sinkflex/BankSQL-v0"):
+        env = gym.make(env_id, split="train", max_turns=10**9)
+        n = env.unwrapped.num_tasks
+        resets = _time(lambda i, e=env, n=n: e.reset(options={"task_index": i % n}), args.resets)
+        results[env_id] = {"reset_ms": 1e3 * statistics.median(resets), "reset_max_ms": 1e3 * max(resets)}
+        env.reset(options={"task_index": 0})
+        if "Bank" in env_id:
+            actions = [format_tool_call("run_sql", {"query": f"SELECT * FROM accounts WHERE account_id = {1000 + i % 300}"})
+                       for i in range(args.calls)]
+        else:
+            actions = _calls(world, args.calls)
+        t = time.perf_counter()
+        for a in actions:
+            env.step(a)
+        results[env_id]["calls_per_s"] = args.calls / (time.perf_counter() - t)
+        env.close()
+
+    print(f"\n{'environment':28s} {'reset median':>13s} {'reset max':>10s} {'tool calls/s (env.step)':>24s}")
+    for env_id, r in results.items():
+        print(f"{env_id:28s} {r['reset_ms']:10.2f} ms {r['reset_max_ms']:7.2f} ms {r['calls_per_s']:24.0f}")
+
+    # the tools alone, without the environment's parsing and bookkeeping
+    from sinkflex_core.envs.http_server import RetailHTTPBackend
+    from sinkflex_core.envs.retail import RetailBackend
+
+    raw = {}
+    for cls in (RetailBackend, RetailHTTPBackend):
+        backend = cls(0)
+        backend.reset("train", 0)
+        orders = list(world.data.orders)
+        t = time.perf_counter()
+        for i in range(args.calls):
+            backend.call_tool("get_order_details", {"order_id": orders[i % len(orders)]})
+        raw[cls.__name__] = (time.perf_counter() - t) / args.calls
+        backend.close()
+    overhead = raw["RetailHTTPBackend"] - raw["RetailBackend"]
+    print(f"\nget_order_details: in process {1e6 * raw['RetailBackend']:.0f} us/call, over HTTP "
+          f"{1e6 * raw['RetailHTTPBackend']:.0f} us/call: HTTP adds {1e6 * overhead:.0f} us/call "
+          f"({raw['RetailHTTPBackend'] / raw['RetailBackend']:.1f}x)")
+
+    for env_id in ("sinkflex/Retail-v0", "sinkflex/RetailHTTP-v0"):
+        env = gym.make(env_id, split="test")
+        for i in range(args.episodes):  # the ground-truth hashes are cached per task: compute them first
+            expected_hash(world, "test", i % env.unwrapped.num_tasks)
+        t = time.perf_counter()
+        steps = 0
+        for i in range(args.episodes):
+            messages, _, _ = run_episode(env, OracleAgent(), i % env.unwrapped.num_tasks)
+            steps += sum(m["role"] == "assistant" for m in messages)
+        dt = time.perf_counter() - t
+        print(f"oracle episodes {env_id:24s}: {1e3 * dt / args.episodes:.1f} ms/episode, {steps / dt:.0f} steps/s "
+              "(includes grading: one state hash)")
+        env.close()
+
+    reset_ok = all(r["reset_ms"] < 50 for r in results.values())
+    calls_ok = results["sinkflex/Retail-v0"]["calls_per_s"] > 1000
+    print(f"\ntarget reset < 50 ms: {'PASS' if reset_ok else 'FAIL'};  target > 1000 calls/s in process: "
+          f"{'PASS' if calls_ok else 'FAIL'}")
+
+
+if __name__ == "__main__":
+    main()

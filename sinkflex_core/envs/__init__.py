@@ -1,0 +1,82 @@
+"""Tool environments behind one Gymnasium interface.
+
+Importing this package registers ``sinkflex/Retail-v0`` (a store simulator, state in SQLite),
+``sinkflex/RetailHTTP-v0`` (the same store, its tools served by an HTTP server on 127.0.0.1) and
+``sinkflex/BankSQL-v0`` (text-to-SQL over a small bank database)::
+
+    env = gymnasium.make("sinkflex/Retail-v0", split="train")
+    obs, info = env.reset(seed=0, options={"task_index": 3})
+    obs, reward, terminated, truncated, info = env.step('<tool_call>\\n{"name": ...}\\n</tool_call>')
+"""
+
+from __future__ import annotations
+
+import gymnasium as gym
+
+from .base import (
+    MAX_TEXT_CHARS,
+    Action,
+    AnyText,
+    ToolBackend,
+    ToolEnv,
+    ToolResult,
+    format_tool_call,
+    parse_action,
+)
+from .customer import STOP, Customer, ScriptedCustomer
+from .metrics import pass_hat_k
+from .retail import RetailBackend, expected_hash, retail_policy
+from .retail_tasks import get_tasks, parse_identity, parse_request
+from .retail_tools import TOOL_NAMES, WRITE_TOOLS, RetailTools
+from .retail_world import RetailWorld, state_hash
+
+ENV_IDS = ("sinkflex/Retail-v0", "sinkflex/RetailHTTP-v0", "sinkflex/BankSQL-v0")
+
+
+def make_retail_env(split: str = "train", max_turns: int = 30, world_seed: int = 0,
+                    render_mode: str | None = None, customer_factory=None) -> ToolEnv:
+    """``sinkflex/Retail-v0``: the store simulator with tools called in process."""
+    kwargs = {} if customer_factory is None else {"customer_factory": customer_factory}
+    return ToolEnv(RetailBackend(world_seed, **kwargs), split=split, max_turns=max_turns, render_mode=render_mode)
+
+
+def make_retail_http_env(split: str = "train", max_turns: int = 30, world_seed: int = 0,
+                         render_mode: str | None = None) -> ToolEnv:
+    """``sinkflex/RetailHTTP-v0``: the same store, tools served over HTTP on 127.0.0.1."""
+    from .http_server import RetailHTTPBackend
+
+    return ToolEnv(RetailHTTPBackend(world_seed), split=split, max_turns=max_turns, render_mode=render_mode)
+
+
+def make_bank_env(split: str = "train", max_turns: int = 12, db_seed: int = 0,
+                  render_mode: str | None = None) -> ToolEnv:
+    """``sinkflex/BankSQL-v0``: answer a question about a bank database with read-only SQL."""
+    from .bank import BankBackend
+
+    return ToolEnv(BankBackend(db_seed), split=split, max_turns=max_turns, render_mode=render_mode)
+
+
+def _register() -> None:
+    for env_id, entry in zip(ENV_IDS, ("make_retail_env", "make_retail_http_env", "make_bank_env")):
+        if env_id not in gym.registry:
+            gym.register(env_id, entry_point=f"{__name__}:{entry}", disable_env_checker=False)
+
+
+_register()
+
+from .oracle import (  # noqa: E402
+    DoNothingAgent,
+    OracleAgent,
+    RandomAgent,
+    evaluate_agent,
+    expert_conversation,
+    run_episode,
+)
+
+__all__ = [
+    "ENV_IDS", "MAX_TEXT_CHARS", "STOP", "DoNothingAgent", "evaluate_agent", "TOOL_NAMES", "WRITE_TOOLS", "Action", "AnyText", "Customer",
+    "OracleAgent", "RandomAgent", "RetailBackend", "RetailTools", "RetailWorld", "ScriptedCustomer",
+    "ToolBackend", "ToolEnv", "ToolResult", "expected_hash", "expert_conversation", "format_tool_call",
+    "get_tasks", "make_bank_env", "make_retail_env", "make_retail_http_env", "parse_action",
+    "parse_identity", "parse_request", "pass_hat_k", "retail_policy", "run_episode", "state_hash",
+]

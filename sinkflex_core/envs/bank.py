@@ -1,0 +1,360 @@
+"""``sinkflex/BankSQL-v0``: answer a question about a small bank database with read-only SQL.
+
+The agent sees the question, can list the schema and run read-only queries, and answers by
+submitting one SQL query with ``submit_answer``; the reward is 1.0 when that query's result set
+equals the ground-truth query's (rows compared as a multiset, numbers rounded to 2 decimals), else
+0.0. Writes are impossible: an authorizer lets only SELECT reach the database, ``query_only`` is on,
+and each statement is bounded in steps, length and rows returned.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sqlite3
+import threading
+from collections import Counter
+from collections.abc import Generator
+from functools import lru_cache
+
+from .base import ToolResult, format_tool_call
+from .retail_tools import ToolError, check_arguments
+
+MAX_ROWS_SHOWN = 20
+MAX_ROWS_GRADED = 5_000
+MAX_VM_STEPS = 2_000_000
+N_TRAIN, N_TEST = 600, 120
+
+BRANCHES = ["Downtown", "Harbor", "Uptown", "Airport", "Riverside", "Hillside", "Old Town", "Lakeside"]
+CITIES = ["Austin", "Denver", "Seattle", "Boston", "Phoenix", "Chicago", "Portland", "Atlanta"]
+FIRST = ["Ana", "Ben", "Carla", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jon", "Kim", "Lea", "Max", "Nia",
+         "Oto", "Pia", "Quin", "Rosa", "Sam", "Tara", "Uma", "Vic", "Wes", "Xia", "Yan", "Zoe"]
+LAST = ["Ortiz", "Park", "Quinn", "Reyes", "Stone", "Tran", "Urban", "Vega", "Ward", "Young", "Zhou", "Abbott",
+        "Baker", "Cole", "Diaz", "Ellis", "Ford", "Grant"]
+KINDS = ["checking", "savings", "credit"]
+CATEGORIES = ["salary", "rent", "groceries", "travel", "utilities", "dining", "transfer"]
+LOAN_STATUS = ["active", "paid", "default"]
+
+SCHEMA = """CREATE TABLE branches (branch_id INTEGER PRIMARY KEY, name TEXT, city TEXT);
+CREATE TABLE customers (customer_id INTEGER PRIMARY KEY, first_name TEXT, last_name TEXT, city TEXT, birth_year INTEGER, branch_id INTEGER);
+CREATE TABLE accounts (account_id INTEGER PRIMARY KEY, customer_id INTEGER, kind TEXT, opened TEXT, balance_cents INTEGER);
+CREATE TABLE transactions (txn_id INTEGER PRIMARY KEY, account_id INTEGER, date TEXT, amount_cents INTEGER, category TEXT);
+CREATE TABLE loans (loan_id INTEGER PRIMARY KEY, customer_id INTEGER, amount_cents INTEGER, rate REAL, status TEXT);"""
+
+POLICY = f"""You answer questions about a bank's database with SQL (SQLite dialect).
+Run read-only queries with run_sql to explore; answer by calling submit_answer with one SELECT query whose
+result is exactly the answer (only the asked columns, no extra rows). Each turn is one tool call.
+Amounts are integer cents; dates are 'YYYY-MM-DD' text.
+
+Schema:
+{SCHEMA}"""
+
+TOOL_SCHEMAS = [
+    {"type": "function", "function": {"name": "list_tables", "description": "Show the database schema.",
+                                      "parameters": {"type": "object", "properties": {}, "required": []}}},
+    {"type": "function", "function": {"name": "run_sql", "description": "Run one read-only SQL query; "
+                                      f"returns the columns and at most {MAX_ROWS_SHOWN} rows.",
+                                      "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
+                                                     "required": ["query"]}}},
+    {"type": "function", "function": {"name": "submit_answer", "description": "Submit the SQL query whose "
+                                      "result answers the question; ends the episode.",
+                                      "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
+                                                     "required": ["query"]}}},
+]
+_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOL_SCHEMAS}
+
+
+def build_bank_db(seed: int = 0) -> sqlite3.Connection:
+    """The bank database drawn from ``seed`` (8 branches, 200 customers, ~400 accounts, ~4,000
+    transactions, ~120 loans), in memory."""
+    rng = random.Random(f"bank-{seed}")
+    conn = sqlite3.connect(":memory:", check_same_thread=False)
+    conn.executescript(SCHEMA)
+    conn.executemany("INSERT INTO branches VALUES (?,?,?)",
+                     [(i + 1, name, CITIES[i % len(CITIES)]) for i, name in enumerate(BRANCHES)])
+    names = set()
+    customers = []
+    while len(customers) < 200:
+        first, last = rng.choice(FIRST), rng.choice(LAST)
+        if (first, last) in names:
+            continue
+        names.add((first, last))
+        customers.append((len(customers) + 1, first, last, rng.choice(CITIES), rng.randint(1950, 2004),
+                          rng.randint(1, len(BRANCHES))))
+    conn.executemany("INSERT INTO customers VALUES (?,?,?,?,?,?)", customers)
+    accounts, txns, loans = [], [], []
+    for c in customers:
+        for kind in rng.sample(KINDS, rng.randint(1, 3)):
+            aid = 1000 + len(accounts)
+            opened = f"{rng.randint(2015, 2024)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+            accounts.append((aid, c[0], kind, opened, rng.randint(-50_000, 2_000_000)))
+            for _ in range(rng.randint(2, 18)):
+                cat = rng.choice(CATEGORIES)
+                amount = rng.randint(1_000, 400_000) * (1 if cat in ("salary", "transfer") else -1)
+                date = f"2024-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+                txns.append((len(txns) + 1, aid, date, amount, cat))
+        if rng.random() < 0.6:
+            loans.append((len(loans) + 1, c[0], rng.randint(100, 500) * 10_000, round(rng.uniform(2, 12), 2),
+                           rng.choice(LOAN_STATUS)))
+    conn.executemany("INSERT INTO accounts VALUES (?,?,?,?,?)", accounts)
+    conn.executemany("INSERT INTO transactions VALUES (?,?,?,?,?)", txns)
+    conn.executemany("INSERT INTO loans VALUES (?,?,?,?,?)", loans)
+    conn.commit()
+    return conn
+
+
+# ---- questions: (template, SQL template, parameter drawer) --------------------------------------
+
+def _q(conn, sql, args=()):
+    return conn.execute(sql, args).fetchall()
+
+
+QUESTIONS = [
+    ("How many customers live in {city}?",
+     "SELECT COUNT(*) FROM customers WHERE city = '{city}'",
+     lambda rng, c: {"city": rng.choice(CITIES)}),
+    ("List the account ids of customer {first} {last}.",
+     "SELECT a.account_id FROM accounts a JOIN customers c ON a.customer_id = c.customer_id "
+     "WHERE c.first_name = '{first}' AND c.last_name = '{last}'",
+     lambda rng, c: dict(zip(("first", "last"), rng.choice(_q(c, "SELECT first_name, last_name FROM customers"))))),
+    ("What is the total balance in cents of all {kind} accounts?",
+     "SELECT SUM(balance_cents) FROM accounts WHERE kind = '{kind}'",
+     lambda rng, c: {"kind": rng.choice(KINDS)}),
+    ("How many {category} transactions happened in month {month} of 2024?",
+     "SELECT COUNT(*) FROM transactions WHERE category = '{category}' AND substr(date, 6, 2) = '{month}'",
+     lambda rng, c: {"category": rng.choice(CATEGORIES), "month": f"{rng.randint(1, 12):02d}"}),
+    ("Which customers have a {kind} account with a balance above {cents} cents? Give first and last names.",
+     "SELECT DISTINCT c.first_name, c.last_name FROM customers c JOIN accounts a ON a.customer_id = c.customer_id "
+     "WHERE a.kind = '{kind}' AND a.balance_cents > {cents}",
+     lambda rng, c: {"kind": rng.choice(KINDS), "cents": rng.randint(15, 19) * 100_000}),
+    ("What is the sum in cents of all transactions of account {account}?",
+     "SELECT SUM(amount_cents) FROM transactions WHERE account_id = {account}",
+     lambda rng, c: {"account": rng.choice(_q(c, "SELECT account_id FROM accounts"))[0]}),
+    ("How many {status} loans do customers of the {branch} branch have?",
+     "SELECT COUNT(*) FROM loans l JOIN customers c ON l.customer_id = c.customer_id JOIN branches b "
+     "ON c.branch_id = b.branch_id WHERE b.name = '{branch}' AND l.status = '{status}'",
+     lambda rng, c: {"status": rng.choice(LOAN_STATUS), "branch": rng.choice(BRANCHES)}),
+    ("Which customers of the {branch} branch were born before {year}? Give first and last names.",
+     "SELECT c.first_name, c.last_name FROM customers c JOIN branches b ON c.branch_id = b.branch_id "
+     "WHERE b.name = '{branch}' AND c.birth_year < {year}",
+     lambda rng, c: {"branch": rng.choice(BRANCHES), "year": rng.randint(1955, 1975)}),
+    ("What is the average rate of {status} loans, rounded to 2 decimals?",
+     "SELECT ROUND(AVG(rate), 2) FROM loans WHERE status = '{status}'",
+     lambda rng, c: {"status": rng.choice(LOAN_STATUS)}),
+    ("How many accounts were opened in {year}?",
+     "SELECT COUNT(*) FROM accounts WHERE substr(opened, 1, 4) = '{year}'",
+     lambda rng, c: {"year": str(rng.randint(2015, 2024))}),
+    ("What is the largest balance in cents among accounts of customers living in {city}?",
+     "SELECT MAX(a.balance_cents) FROM accounts a JOIN customers c ON a.customer_id = c.customer_id "
+     "WHERE c.city = '{city}'",
+     lambda rng, c: {"city": rng.choice(CITIES)}),
+    ("How many customers have no loan?",
+     "SELECT COUNT(*) FROM customers WHERE customer_id NOT IN (SELECT customer_id FROM loans)",
+     lambda rng, c: {}),
+]
+
+
+def _question_regex(template: str) -> re.Pattern:
+    pattern = re.escape(template)
+    for name in re.findall(r"\{(\w+)\}", template):
+        pattern = pattern.replace(re.escape("{" + name + "}"), f"(?P<{name}>.+?)", 1)
+    return re.compile("^" + pattern + "$")
+
+
+_QUESTION_RES = [(_question_regex(t), sql) for t, sql, _ in QUESTIONS]
+
+
+def question_to_sql(question: str) -> str | None:
+    """The SQL for a question written from one of the templates (what the oracle uses)."""
+    for pattern, sql in _QUESTION_RES:
+        m = pattern.match(question.strip())
+        if m:
+            return sql.format(**m.groupdict())
+    return None
+
+
+_DB_CACHE: dict[int, sqlite3.Connection] = {}
+_DB_LOCK = threading.Lock()
+
+
+def bank_db(seed: int = 0) -> sqlite3.Connection:
+    with _DB_LOCK:
+        if seed not in _DB_CACHE:
+            _DB_CACHE[seed] = build_bank_db(seed)
+        return _DB_CACHE[seed]
+
+
+@lru_cache(maxsize=4)
+def bank_tasks(seed: int, split: str) -> tuple:
+    """The split's questions (train and test never share a question), each with its SQL and answer rows."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    conn = bank_db(seed)
+    rng = random.Random(f"bank-tasks-{seed}")
+    seen, tasks = set(), {"train": [], "test": []}
+    attempts = 0
+    while len(tasks["train"]) < N_TRAIN or len(tasks["test"]) < N_TEST:
+        attempts += 1
+        if attempts > 50_000:
+            break
+        template, sql, draw = rng.choice(QUESTIONS)
+        params = draw(rng, conn)
+        question = template.format(**params)
+        if question in seen:
+            continue
+        seen.add(question)
+        target = "test" if len(tasks["test"]) < N_TEST and rng.random() < 0.2 else "train"
+        if len(tasks[target]) >= (N_TEST if target == "test" else N_TRAIN):
+            target = "train" if target == "test" else "test"
+        query = sql.format(**params)
+        tasks[target].append({"task_id": f"bank-{target}-{len(tasks[target]):04d}", "question": question,
+                              "sql": query, "answer": [list(r) for r in conn.execute(query).fetchall()]})
+    return tuple(tasks[split])
+
+
+def _normalise(rows) -> Counter:
+    def cell(v):
+        return round(v, 2) if isinstance(v, float) else v
+    return Counter(tuple(cell(v) for v in row) for row in rows)
+
+
+class BankBackend:
+    """Backend of ``sinkflex/BankSQL-v0`` (see the module docstring)."""
+
+    def __init__(self, db_seed: int = 0):
+        self.seed = db_seed
+        master = bank_db(db_seed)
+        # a private read-only copy per environment, so no query can reach another environment's state
+        self.conn = sqlite3.connect(":memory:", check_same_thread=False)
+        master.backup(self.conn)
+        self.conn.execute("PRAGMA query_only = ON")
+        self.conn.set_authorizer(self._authorize)
+        self.conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 100_000)
+        self.conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, 10_000)
+        self.submitted: str | None = None
+        self.split, self.index = "train", 0
+
+    @staticmethod
+    def _authorize(action, arg1, arg2, dbname, source):
+        if action in (sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
+                      sqlite3.SQLITE_RECURSIVE):
+            return sqlite3.SQLITE_OK
+        return sqlite3.SQLITE_DENY
+
+    def num_tasks(self, split: str) -> int:
+        return len(bank_tasks(self.seed, split))
+
+    def tools(self) -> list[dict]:
+        return json.loads(json.dumps(TOOL_SCHEMAS))
+
+    def policy(self) -> str:
+        return POLICY
+
+    def reset(self, split: str, task_index: int) -> tuple[str, dict]:
+        self.split, self.index = split, task_index
+        self.submitted = None
+        task = bank_tasks(self.seed, split)[task_index]
+        return task["question"], dict(task)
+
+    def _run(self, query: str, limit: int) -> tuple[list[str], list[tuple], bool]:
+        # the authorizer is the real guard; this gives a clearer message for the common mistakes
+        head = re.sub(r"(--[^\n]*\n|/\*.*?\*/|\s|\()+", " ", query, flags=re.S).strip().split(" ")[0].lower()
+        if head not in ("select", "with", "values"):
+            raise ToolError("only read-only SELECT queries are allowed")
+        steps = [0]
+
+        def progress():
+            steps[0] += 1
+            return 1 if steps[0] > MAX_VM_STEPS // 1000 else 0
+
+        self.conn.set_progress_handler(progress, 1000)
+        try:
+            cur = self.conn.execute(query)
+            rows = cur.fetchmany(limit + 1)
+            cols = [d[0] for d in cur.description or []]
+        except sqlite3.OperationalError as err:
+            msg = str(err)
+            if "interrupted" in msg:
+                msg = "the query ran too long"
+            raise ToolError(msg[:200]) from err
+        except (sqlite3.DatabaseError, sqlite3.Warning, sqlite3.ProgrammingError, ValueError, OverflowError) as err:
+            raise ToolError(str(err)[:200]) from err
+        finally:
+            self.conn.set_progress_handler(None, 0)
+        return cols, rows[:limit], len(rows) > limit
+
+    def call_tool(self, name: str, arguments: dict) -> ToolResult:
+        try:
+            check_arguments(name, arguments, _SCHEMAS)
+            if name == "list_tables":
+                return ToolResult(SCHEMA)
+            cols, rows, more = self._run(arguments["query"], MAX_ROWS_SHOWN if name == "run_sql" else MAX_ROWS_GRADED)
+        except ToolError as err:
+            return ToolResult(f"Error: {err}")
+        if name == "submit_answer":
+            self.submitted_rows = rows
+            self.submitted = arguments["query"]
+            return ToolResult("Answer recorded.", done=True)
+        out = {"columns": cols, "rows": [list(r) for r in rows]}
+        if more:
+            out["truncated"] = True
+        text = json.dumps(out, separators=(",", ":"), default=str)
+        return ToolResult(text if len(text) < 8000 else text[:8000] + " ...[cut]")
+
+    def respond(self, text: str) -> ToolResult:
+        return ToolResult("Please answer by calling submit_answer with a SQL query.")
+
+    def reward(self) -> tuple[float, dict]:
+        task = bank_tasks(self.seed, self.split)[self.index]
+        if self.submitted is None:
+            return 0.0, {"submitted": None, "match": False}
+        match = _normalise(self.submitted_rows) == _normalise(task["answer"])
+        return float(match), {"submitted": self.submitted, "match": match}
+
+    def integrity_check(self) -> str:
+        """``PRAGMA integrity_check`` (the authorizer that forbids PRAGMAs is lifted for it)."""
+        self.conn.set_authorizer(None)
+        try:
+            return self.conn.execute("PRAGMA integrity_check").fetchone()[0]
+        finally:
+            self.conn.set_authorizer(self._authorize)
+
+    def state_hash(self) -> str:
+        """SHA-256 over every table, rows in primary-key order (it must never change)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for (table,) in self.conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name"):
+            h.update(table.encode())
+            for row in self.conn.execute(f"SELECT * FROM {table} ORDER BY 1"):
+                h.update(repr(row).encode())
+        return h.hexdigest()
+
+    def close(self) -> None:
+        pass
+
+
+class BankOracle:
+    """Turns the question into SQL, runs it once, submits it."""
+
+    def reset(self, observation: str, info: dict | None = None) -> None:
+        self._gen = self._script(observation)
+        self._next = next(self._gen)
+
+    def act(self, observation: str | None = None, role: str = "user") -> str:
+        return self._next or "I cannot answer this question."
+
+    def observe(self, observation: str) -> None:
+        try:
+            self._next = self._gen.send(observation)
+        except StopIteration:
+            self._next = None
+
+    def _script(self, question: str) -> Generator[str, str, None]:
+        sql = question_to_sql(question)
+        if sql is None:
+            yield "I cannot answer this question."
+            return
+        yield format_tool_call("run_sql", {"query": sql})
+        yield format_tool_call("submit_answer", {"query": sql})

@@ -1,0 +1,73 @@
+"""Simulated customers: the scripted, deterministic one, and the interface an LLM-backed one fills.
+
+The scripted customer plays a task's persona: it opens with its first request, gives its identity
+when asked, says "yes" only to a confirmation that names everything its goal needs (order id, new
+item ids, payment method id, reason or address), moves to its next request once the current one has
+been carried out or answered, and ends with ``###STOP###``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .retail_tasks import identity_text
+
+STOP = "###STOP###"
+CONFIRM_MARK = "(yes/no)"
+MAX_STRIKES = 4
+
+
+class Customer(Protocol):
+    """What the retail environment needs from a customer (scripted or LLM-backed)."""
+
+    def opening(self) -> str: ...
+
+    def reply(self, agent_text: str) -> tuple[str, bool]:
+        """The customer's answer to the agent's message and whether the customer has left."""
+
+
+class ScriptedCustomer:
+    """Deterministic customer for one task (see the module docstring for its rules)."""
+
+    def __init__(self, task: dict):
+        self.task = task
+        self.requests = task["requests"]
+        self.index = 0
+        self.confirmed = False
+        self.strikes = 0
+
+    def opening(self) -> str:
+        return "Hi! " + self.requests[0]["text"]
+
+    def _advance(self) -> tuple[str, bool]:
+        self.index += 1
+        self.confirmed = False
+        self.strikes = 0
+        if self.index >= len(self.requests):
+            return f"Thanks, that is all. {STOP}", True
+        return "Thanks. Also: " + self.requests[self.index]["text"], False
+
+    def reply(self, agent_text: str) -> tuple[str, bool]:
+        if self.index >= len(self.requests):
+            return STOP, True
+        req = self.requests[self.index]
+        low = agent_text.lower()
+        if CONFIRM_MARK in low:
+            if req["confirm_keys"] and not self.confirmed and all(k.lower() in low for k in req["confirm_keys"]):
+                self.confirmed = True
+                return "yes", False
+            return self._strike("No, that is not what I want. " + req["text"])
+        if self.confirmed:
+            return self._advance()
+        if req["answer_keys"] and all(k.lower() in low.replace(",", "") for k in req["answer_keys"]):
+            return self._advance()
+        if "email" in low or "zip" in low:
+            return self._strike(identity_text(self.task["persona"], self.task["identify_by"]))
+        return self._strike(req["text"])
+
+    def _strike(self, text: str) -> tuple[str, bool]:
+        # a customer who is not getting anywhere leaves, so a stuck agent cannot loop forever
+        self.strikes += 1
+        if self.strikes > MAX_STRIKES:
+            return f"I give up. {STOP}", True
+        return text, False
