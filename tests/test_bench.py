@@ -1,0 +1,189 @@
+"""The VRAM harness: the same GRPO step for every case (same loss and gradients whatever the
+attention kernel, log-prob path or MLP tiling), measurements and provenance in the CSV, each case in
+its own process, out-of-memory recorded and not fatal, and the paper-vs-ours table."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+
+import pytest
+import torch
+
+from sinkflex_core import bench
+from sinkflex_core.bench import Case, Settings
+
+
+def _has(module: str, attr: str) -> bool:
+    if importlib.util.find_spec(module) is None:
+        return False
+    return callable(getattr(importlib.import_module(module), attr, None))
+
+
+HAS_CHUNKED = _has("sinkflex_core.grpo", "token_logprobs")
+HAS_SINKFLEX = _has("sinkflex_core.attention", "apply")
+SMALL = Settings(preset="tiny", device="cpu", dtype="fp32", chunk_size=64, slice_tokens=64, seed=0)
+
+
+def _loss_and_grads(case: Case, settings: Settings):
+    """The GRPO loss of one step and the gradients of the trainable parameters (no optimizer step)."""
+    settings = settings.resolved()
+    model, causal_lm = bench.build_policy(case, settings)
+    # LoRA starts with B = 0 (policy == reference); move away from it so that ratio and KL matter.
+    torch.manual_seed(5)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    ids, mask, adv = bench.step_inputs(case.tokens, bench.get_preset(settings.preset).vocab, "cpu", 0)
+
+    class NoStep:  # measure the gradients before they are applied
+        grads: dict = {}
+
+        def step(self):
+            NoStep.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+        def zero_grad(self, set_to_none=True):
+            model.zero_grad(set_to_none=set_to_none)
+
+    loss = bench.grpo_step(model, causal_lm, NoStep(), ids, mask, adv, case.logprobs, settings.chunk_size)
+    return loss, NoStep.grads
+
+
+@pytest.mark.slow
+def test_same_step_for_every_case():
+    # each of attention kernel, log-prob path and MLP tiling changed at least once against the first
+    cases = [Case("eager", "full", "plain", 200), Case("sdpa", "full", "tiled", 200)]
+    if HAS_CHUNKED:
+        cases += [Case("sdpa", "chunked", "plain", 200), Case("eager", "chunked", "tiled", 200)]
+    ref_loss, ref_grads = _loss_and_grads(cases[0], SMALL)
+    assert len(ref_grads) == 4 * 2 * 4  # 4 layers x (A, B) x (q, k, v, o)
+    assert sum(float(g.abs().sum()) for g in ref_grads.values()) > 0
+    for case in cases[1:]:
+        loss, grads = _loss_and_grads(case, SMALL)
+        assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6), case.name
+        assert grads.keys() == ref_grads.keys()
+        for name in grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], rtol=2e-3, atol=2e-6, msg=f"{case.name} {name}")
+
+
+def test_first_update_loss_is_minus_the_advantage():
+    # At the first update the policy is the reference and the sampler: ratio 1, KL 0, so the
+    # token-mean loss is -advantage = -1.
+    row = bench.run_case(Case("sdpa", "full", "plain", 128), SMALL)
+    assert row["status"] == "ok", row
+    assert row["loss"] == pytest.approx(-1.0, abs=1e-6)
+    assert row["memory_metric"] == "cpu_peak_rss"
+    assert row["peak_gib"] >= row["base_gib"] > 0
+    assert row["step_s"] > 0 and row["tokens_per_s"] == pytest.approx(128 / row["step_s"])
+
+
+@pytest.mark.skipif(not HAS_SINKFLEX, reason="sinkflex_core.attention.apply not present")
+def test_sinkflex_case_trains_its_sinks():
+    settings = Settings(preset="tiny", device="cpu", dtype="fp32", window=32, chunk_size=64, seed=0)
+    loss, grads = _loss_and_grads(Case("sinkflex", "full", "plain", 150), settings)
+    assert loss == loss  # not NaN
+    sink_grads = [g for n, g in grads.items() if "sink" in n]
+    assert len(sink_grads) == 4  # one (H,) logit vector per layer, trained beside LoRA
+
+
+def test_plan_and_bad_input():
+    cases = bench.plan(["sdpa", "eager"], ["full"], ["plain", "tiled"], [4096, 1024, 1024])
+    assert [c.name for c in cases][:3] == ["sdpa/full/plain/1024", "sdpa/full/plain/4096", "sdpa/full/tiled/1024"]
+    assert len(cases) == 2 * 2 * 2
+    with pytest.raises(ValueError, match="unknown attention"):
+        bench.plan(["flash"], ["full"], ["plain"], [1024])
+    with pytest.raises(ValueError, match="tokens"):
+        bench.plan(["sdpa"], ["full"], ["plain"], [1])
+    with pytest.raises(ValueError, match="unknown preset"):
+        Settings(preset="70b").resolved()
+    with pytest.raises(SystemExit):
+        bench.main(["vram", "--attention", "flash"])
+    assert bench.main(["nope"]) == 2
+
+
+def test_flex_is_unavailable_on_cpu():
+    row = bench.run_case_subprocess(Case("flex", "full", "plain", 256), SMALL)
+    assert row["status"] == "unavailable" and "backward on CPU" in row["note"]
+
+
+@pytest.mark.slow
+def test_cli_writes_rows_with_provenance(tmp_path, capsys):
+    out = tmp_path / "vram_cpu.csv"
+    rc = bench.main(["vram", "--attention", "sdpa", "flex", "--logprobs", "full", "--mlp", "plain",
+                     "--tokens", "256", "--device", "cpu", "--out", str(out)])
+    assert rc == 0
+    rows = list(csv.DictReader(open(out)))
+    assert [r["case"] for r in rows] == ["sdpa/full/plain/256", "flex/full/plain/256"]
+    ok, flex = rows
+    assert ok["status"] == "ok" and float(ok["peak_gib"]) > 0 and float(ok["step_s"]) > 0
+    assert float(ok["loss"]) == pytest.approx(-1.0, abs=1e-5)
+    assert flex["status"] == "unavailable"
+    for col in ("gpu", "torch", "transformers", "peft", "date", "git_sha", "device", "source"):
+        assert ok[col], col
+    assert ok["torch"] == torch.__version__ and ok["gpu"].startswith("cpu") and ok["preset"] == "tiny"
+    assert "sdpa/full/plain/256" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_out_of_memory_is_recorded_not_fatal(tmp_path):
+    # The CPU cap limits the address space the step may add; 50 MiB cannot hold the 1,024 x 16,384
+    # float32 logits (64 MiB), so the step fails to allocate, and the longer run is skipped.
+    out = tmp_path / "oom.csv"
+    rc = bench.main(["vram", "--attention", "sdpa", "--logprobs", "full", "--mlp", "plain", "--tokens", "1024",
+                     "4096", "--device", "cpu", "--cap-gib", "0.05", "--out", str(out)])
+    assert rc == 0
+    first, second = list(csv.DictReader(open(out)))
+    assert first["status"] == "oom" and "allocate" in first["note"].lower()
+    assert float(first["peak_gib"]) > 0
+    assert second["status"] == "skipped" and "1024" in second["note"]
+
+
+def test_paper_table_reads_the_recorded_measurements(tmp_path):
+    import shutil
+
+    from sinkflex_core.paths import data_dir
+
+    for name in ("paper_claims.csv", "vram_recorded_h200.csv"):
+        shutil.copy(data_dir() / name, tmp_path / name)
+    table = bench.paper_vs_ours(tmp_path).set_index("claim")
+    std4k = table.loc["peak VRAM, standard setup, 4,096 tokens"]
+    assert std4k["paper"] == "28.06 GB" and std4k["from"] == "vram_recorded_h200.csv"
+    assert std4k["ours"] == "23.27 GiB" and std4k["gap"].startswith("-4.79")
+    std8k = table.loc["standard setup at 8,192 tokens"]
+    assert std8k["paper"] == "OOM" and std8k["ours"].startswith("fits (32.22")
+    assert table.loc["peak VRAM, SINKFLEX, 8,192 tokens", "ours"] == "not measured yet"
+    # a harness CSV of the GPU machine takes precedence over the recorded one
+    rows = bench.load_vram_results(tmp_path)
+    assert set(rows["file"]) == {"vram_recorded_h200.csv"} and rows["recorded"].all()
+    fresh = rows[rows["case"] == "sdpa/full/plain/4096"].copy()
+    fresh["peak_gib"] = 30.0
+    fresh.drop(columns=["file", "recorded"]).to_csv(tmp_path / "vram_h200.csv", index=False)
+    table = bench.paper_vs_ours(tmp_path).set_index("claim")
+    assert table.loc["peak VRAM, standard setup, 4,096 tokens", "ours"] == "30.00 GiB"
+
+
+def _gpu_row(case: str, peak: float, step_s: float, status: str = "ok") -> dict:
+    attention, logprobs, mlp, tokens = case.split("/")
+    row = dict.fromkeys(bench.COLUMNS, "")
+    row.update(case=case, attention=attention, logprobs=logprobs, mlp=mlp, tokens=int(tokens), status=status,
+               peak_gib=peak, memory_metric="cuda_max_allocated", step_s=step_s, cap_gib=80.0, device="cuda",
+               gpu="NVIDIA H200")
+    return row
+
+
+def test_targets_and_figures_from_a_gpu_run(tmp_path):
+    import pandas as pd
+
+    rows = [_gpu_row("sinkflex/chunked/plain/8192", 18.2, 0.80), _gpu_row("sdpa/chunked/plain/8192", 19.1, 0.90),
+            _gpu_row("sinkflex/chunked/tiled/65536", 40.0, 8.0), _gpu_row("sdpa/chunked/tiled/65536", 41.0, 15.0),
+            _gpu_row("sinkflex/chunked/tiled/131072", 70.0, 30.0), _gpu_row("sdpa/chunked/tiled/131072", 72.0, 50.0),
+            _gpu_row("eager/full/plain/16384", "", "", status="oom")]
+    pd.DataFrame(rows).to_csv(tmp_path / "vram_h200.csv", index=False)
+    report = bench.targets_report(bench.load_vram_results(tmp_path)).set_index("target")
+    met = report["met"].tolist()
+    assert met == ["yes", "yes", "yes", "no", "no"]  # 18.2 <= 18.5; 131k fits; 0.9/0.8; 15/8 < 2; 50/30 < 2
+    assert report["measured"].iloc[1].startswith("131072 tokens (sinkflex/chunked/tiled/131072")
+    made = bench.regenerate_figures(tmp_path, tmp_path / "fig").set_index("figure")
+    assert made.loc["vram_vs_length.png", "status"] == "regenerated"
+    assert (tmp_path / "fig" / "vram_vs_length.png").stat().st_size > 10_000
+    assert made.loc["reward_curve.png", "status"].startswith("skipped")
