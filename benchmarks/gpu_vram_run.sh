@@ -37,9 +37,9 @@ GROUPS_LIST=(
     "150|--attention flex --logprobs full chunked --mlp plain --tokens 8192 --warmup 1"
 )
 
-# `python -c` with a bare package object: the harness without the package's __init__.
-BOOT="import sys, types; p = types.ModuleType('sinkflex_core'); p.__path__ = ['$PWD/sinkflex_core']; \
-sys.modules['sinkflex_core'] = p; from sinkflex_core.bench import main; sys.exit(main(sys.argv[1:]))"
+# Run from the checkout without installing it (the GPU machine has torch, transformers and peft; the
+# package imports without gymnasium there).
+BOOT="import sys; sys.path.insert(0, '$PWD'); from sinkflex_core.bench import main; sys.exit(main(sys.argv[1:]))"
 
 if [[ "${LIST:-0}" == 1 ]]; then
     for g in "${GROUPS_LIST[@]}"; do

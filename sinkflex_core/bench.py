@@ -492,14 +492,11 @@ def _child_main(payload: str) -> int:
     return 0
 
 
-# The child loads only the modules a step needs: a bare ``sinkflex_core`` package object stands in
-# for the real one, whose ``__init__`` registers the Gymnasium environments (gymnasium need not be
-# installed on a GPU machine that only measures memory).
+# The child imports the package from the same folder as this parent, installed or not (a GPU machine
+# may run the harness from a plain checkout).
 _CHILD_BOOTSTRAP = """
-import sys, types
-pkg = types.ModuleType("sinkflex_core")
-pkg.__path__ = [sys.argv[1]]
-sys.modules["sinkflex_core"] = pkg
+import sys
+sys.path.insert(0, sys.argv[1])
 from sinkflex_core.bench import _child_main
 sys.exit(_child_main(sys.argv[2]))
 """
@@ -513,7 +510,7 @@ def run_case_subprocess(case: Case, settings: Settings, timeout_s: float | None 
     if reason:  # no process needed to find that out
         return {"status": "unavailable", "note": reason}
     spec = {"case": dataclasses.asdict(case), "settings": dataclasses.asdict(settings)}
-    cmd = [sys.executable, "-c", _CHILD_BOOTSTRAP, str(Path(__file__).resolve().parent), json.dumps(spec)]
+    cmd = [sys.executable, "-c", _CHILD_BOOTSTRAP, str(Path(__file__).resolve().parents[1]), json.dumps(spec)]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
                PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"))
     try:
