@@ -213,9 +213,26 @@ def store_outputs(path: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = run_notebook(path, {}, Path(tmp), smoke=True, progress=False)
         nb = _read(out)
+    path.write_text(json.dumps(scrub(nb), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def scrub(nb: dict) -> dict:
+    """Make an executed notebook fit to commit: drop papermill's per-cell timings and stderr output
+    (warnings name this machine's paths and are never compared), and write the repository root in
+    any remaining output as ``.``."""
+    root = str(repo_root())
     nb.get("metadata", {}).pop("papermill", None)
+    nb.setdefault("metadata", {})["kernelspec"] = {"display_name": "Python 3", "language": "python",
+                                                   "name": "python3"}
     for cell in nb["cells"]:
         cell.get("metadata", {}).pop("papermill", None)
         cell.get("metadata", {}).pop("execution", None)
-    nb["metadata"]["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
-    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        if cell.get("cell_type") != "code":
+            continue
+        outputs = []
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream" and out.get("name") == "stderr":
+                continue
+            outputs.append(json.loads(json.dumps(out).replace(root, ".")))
+        cell["outputs"] = outputs
+    return nb

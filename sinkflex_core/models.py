@@ -1,0 +1,275 @@
+"""Tiny models and the project's tokenizer.
+
+The tokenizer is a byte-level BPE trained here, in seconds, on the retail world's own text (tool
+schemas, the policy, customer messages, tool outputs and oracle replies of expert conversations), so
+that records such as ``#W2611340`` or ``noah_brown_6181`` cost few tokens and nothing is downloaded.
+It carries a chat template with tools in the Qwen2.5 format: the same rollout and training code then
+drives a real Qwen2.5-Instruct checkpoint and the project's tiny Qwen2-architecture models.
+
+Qwen2.5's format, which the template reproduces (its wording is ours):
+
+- a system turn that holds the system prompt and, when tools are given, one JSON signature per tool
+  inside ``<tools>...</tools>`` plus how to call them;
+- an assistant tool call rendered as ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``;
+- tool results given back as a *user* turn holding one ``<tool_response>`` block per result
+  (consecutive results share one turn);
+- ``add_generation_prompt`` opens ``<|im_start|>assistant\\n``; every turn ends ``<|im_end|>\\n``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from .paths import build_dir
+
+log = logging.getLogger(__name__)
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
+# Added (not special) tokens, as in Qwen2.5: one id each, and kept when decoding with
+# skip_special_tokens=True, so that a decoded assistant turn still shows its tool call.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+
+# The chat template (Jinja, rendered by transformers' sandboxed environment). Bump TEMPLATE_VERSION
+# when the text changes so that cached tokenizers are rebuilt.
+TEMPLATE_VERSION = 1
+CHAT_TEMPLATE = (
+    "{%- if messages and messages[0].role == 'system' -%}"
+    "{%- set system_text = messages[0].content -%}"
+    "{%- else -%}"
+    "{%- set system_text = '" + DEFAULT_SYSTEM_PROMPT + "' -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>system\\n' + system_text -}}"
+    "{%- if tools -%}"
+    "{{- '\\n\\n# Tools\\n\\nThese functions are available to you; their JSON signatures are listed one per "
+    "line between <tools> and </tools>:\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nTo call a function, reply with a JSON object holding its name and its arguments "
+    "between <tool_call> and </tool_call> tags:\\n<tool_call>\\n{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}\\n</tool_call>' -}}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- for message in messages -%}"
+    "{%- if loop.first and message.role == 'system' -%}"
+    "{%- elif message.role == 'tool' -%}"
+    "{%- if loop.first or loop.previtem.role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' -}}"
+    "{%- if loop.last or loop.nextitem.role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- elif message.role == 'assistant' and message.tool_calls -%}"
+    "{{- '<|im_start|>assistant' -}}"
+    "{%- if message.content -%}{{- '\\n' + message.content -}}{%- endif -%}"
+    "{%- for call in message.tool_calls -%}"
+    "{%- if call.function is defined -%}{%- set call = call.function -%}{%- endif -%}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' -}}"
+    "{%- if call.arguments is string -%}{{- call.arguments -}}{%- else -%}{{- call.arguments | tojson -}}"
+    "{%- endif -%}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------------------
+
+def retail_corpus(max_tasks: int = 40, world_seed: int = 0) -> list[str]:
+    """The retail world's text, in a fixed order: the policy and the tool schemas; every product,
+    user and order record as the tools print them; then the expert conversations of the first
+    ``max_tasks`` training tasks (customer messages, tool calls and outputs, oracle replies).
+
+    Deterministic: the world, the tasks and the scripted customer are all seeded."""
+    import gymnasium as gym
+
+    from . import envs
+
+    env = gym.make("sinkflex/Retail-v0", split="train")
+    try:
+        _, info = env.reset(seed=0, options={"task_index": 0})
+        texts = [info["policy"]] + [json.dumps(tool, ensure_ascii=False) for tool in info["tools"]]
+        n_tasks = min(max_tasks, env.unwrapped.num_tasks)
+    finally:
+        env.close()
+    world = envs.RetailWorld.get(world_seed)
+    conn = world.new_episode_db()
+    try:
+        tools = envs.RetailTools(conn)
+        for name, arg, keys in (("get_product_details", "product_id", world.data.products),
+                                ("get_user_details", "user_id", world.data.users),
+                                ("get_order_details", "order_id", world.data.orders)):
+            texts.extend(tools.call(name, {arg: key}).output for key in sorted(keys))
+    finally:
+        conn.close()
+    for i in range(n_tasks):
+        messages, _ = envs.expert_conversation("sinkflex/Retail-v0", "train", i)
+        for message in messages:
+            if message["role"] == "system":
+                continue  # the policy text is already in
+            if message.get("content"):
+                texts.append(message["content"])
+            for call in message.get("tool_calls") or []:
+                fn = call.get("function", call)
+                texts.append(json.dumps({"name": fn["name"], "arguments": fn["arguments"]}, ensure_ascii=False))
+    return texts
+
+
+def _corpus_fingerprint(max_tasks: int, vocab_size: int) -> str:
+    """A key for the cached tokenizer: everything the corpus and the training depend on (the
+    environments' source, the template, the settings), cheap to compute (no corpus needed)."""
+    from . import envs
+
+    h = hashlib.sha256(f"v{TEMPLATE_VERSION}|{vocab_size}|{max_tasks}|".encode())
+    h.update(Path(__file__).read_bytes())
+    for path in sorted(Path(envs.__file__).parent.rglob("*")):
+        if path.is_file() and path.suffix in {".py", ".md", ".json"}:
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
+    """Train a byte-level BPE (a ``tokenizers.Tokenizer``) of exactly ``vocab_size`` ids on ``texts``.
+
+    Ids 0-2 are ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` (special); the four tool tags
+    are the last ids; ids the corpus has no merges for are ``<|reserved_k|>`` special tokens.
+    Digits are split one by one, as in Qwen2, so that numbers and ids are copied digit by digit.
+    Training is deterministic for a given list of texts."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    n_fixed = len(SPECIAL_TOKENS) + len(TOOL_TOKENS)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < 256 + n_fixed + 1:
+        raise ValueError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs at least "
+                         f"{256 + n_fixed + 1} ids (256 bytes, {n_fixed} special/tool tokens, one merge)")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(TOOL_TOKENS), special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=alphabet, min_frequency=2, show_progress=False)
+    tok.train_from_iterator(list(texts), trainer)
+    # A small, regular corpus runs out of merges before vocab_size (the retail world supports ~1,600
+    # ids); the rest are reserved special tokens, so that the vocabulary size is always the one asked
+    # for and model shapes do not depend on the corpus.
+    n_reserved = vocab_size - len(TOOL_TOKENS) - tok.get_vocab_size()
+    tok.add_special_tokens([AddedToken(f"<|reserved_{i}|>", special=True, normalized=False)
+                            for i in range(n_reserved)])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
+    return tok
+
+
+def wrap_tokenizer(tok):
+    """A ``tokenizers.Tokenizer`` as a transformers fast tokenizer with our special tokens and the
+    Qwen2.5-style chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=IM_END, pad_token=PAD_TOKEN, bos_token=None, unk_token=None,
+        padding_side="left", model_max_length=131072, clean_up_tokenization_spaces=False)
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def get_tokenizer(vocab_size: int = 2048, max_tasks: int = 40, cache: bool = True):
+    """The project's tokenizer: a byte-level BPE of exactly ``vocab_size`` ids trained on the retail
+    world's text (:func:`retail_corpus`), with the chat template. Training takes a few seconds; the
+    result is cached in ``build/tokenizers/`` under a key of the environments' source, the template and
+    the settings, so later calls load it in milliseconds."""
+    from tokenizers import Tokenizer
+
+    path: Path = build_dir() / "tokenizers" / f"retail-bpe-{vocab_size}-{_corpus_fingerprint(max_tasks, vocab_size)}.json"
+    if cache and path.is_file():
+        return wrap_tokenizer(Tokenizer.from_file(str(path)))
+    tok = train_tokenizer(retail_corpus(max_tasks), vocab_size)
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tok.save(str(tmp))
+        tmp.replace(path)  # atomic: parallel test workers never read half a file
+    return wrap_tokenizer(tok)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------------
+
+def tiny_qwen2_config(vocab_size: int = 2048, hidden_size: int = 256, num_layers: int = 4,
+                      num_heads: int | None = None, num_kv_heads: int | None = None,
+                      intermediate_size: int | None = None, max_position_embeddings: int = 32768,
+                      tie_word_embeddings: bool = False, tokenizer=None):
+    """A small Qwen2 configuration (same architecture as Qwen2.5-7B: GQA, SwiGLU, RMSNorm, RoPE).
+
+    Heads default to ``hidden_size // 64`` so that the head dimension is 64 (vLLM's CPU attention
+    rejects small head dimensions such as 16); KV heads to half of that (grouped-query attention).
+    With the defaults (hidden 256, 4 layers, vocab 2048): about 4.2M parameters. ``tokenizer``, if
+    given, sets the pad and end-of-sequence ids."""
+    from transformers import Qwen2Config
+
+    num_heads = num_heads or max(1, hidden_size // 64)
+    num_kv_heads = num_kv_heads or max(1, num_heads // 2)
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size={hidden_size} is not a multiple of num_heads={num_heads}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if tokenizer is not None and len(tokenizer) > vocab_size:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} ids but vocab_size={vocab_size}")
+    ids = {}
+    if tokenizer is not None:
+        ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                   bos_token_id=None)
+    return Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size or 3 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        tie_word_embeddings=tie_word_embeddings, use_sliding_window=False, **ids)
+
+
+def qwen25_7b_config(vocab_size: int = 152064):
+    """Qwen2.5-7B(-Instruct)'s published shape: hidden 3584, 28 layers, 28 heads, 4 KV heads,
+    FFN 18944, vocabulary 152064, RoPE theta 1e6, untied embeddings (about 7.6B parameters)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab_size, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, tie_word_embeddings=False,
+        use_sliding_window=False, bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
+
+
+def build_model(config, seed: int = 0, dtype=None, device=None):
+    """A ``Qwen2ForCausalLM`` with random weights drawn from ``seed`` (the same seed gives the same
+    weights), in eval mode. Nothing is downloaded."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    devices = [torch.device(device)] if device is not None and torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    if dtype is not None:
+        model = model.to(dtype)
+    if device is not None:
+        model = model.to(device)
+    return model.eval()
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())

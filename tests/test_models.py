@@ -1,0 +1,191 @@
+"""The project's tokenizer (trained on the retail world) and its Qwen2.5-style chat template; tiny and
+7B-shaped Qwen2 configurations."""
+
+import json
+
+import pytest
+import torch
+
+from sinkflex_core.models import (
+    CHAT_TEMPLATE,
+    IM_END,
+    IM_START,
+    PAD_TOKEN,
+    TOOL_TOKENS,
+    build_model,
+    count_parameters,
+    get_tokenizer,
+    qwen25_7b_config,
+    retail_corpus,
+    tiny_qwen2_config,
+    train_tokenizer,
+    wrap_tokenizer,
+)
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_order_details", "description": "Look an order up.",
+        "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}}},
+    {"type": "function", "function": {
+        "name": "calculate", "description": "Evaluate arithmetic.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}},
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return get_tokenizer()
+
+
+def test_vocabulary_size_and_special_ids(tok):
+    assert len(tok) == 2048
+    assert tok.convert_tokens_to_ids([PAD_TOKEN, IM_START, IM_END]) == [0, 1, 2]
+    assert tok.eos_token == IM_END and tok.pad_token == PAD_TOKEN
+    assert tok.convert_tokens_to_ids(TOOL_TOKENS) == [2044, 2045, 2046, 2047]
+    # Each tag is one id wherever it appears in text.
+    ids = tok.encode("x<tool_call>y</tool_call><|im_end|>", add_special_tokens=False)
+    assert 2044 in ids and 2045 in ids and ids[-1] == 2
+
+
+def test_decoding_keeps_tool_tags_but_drops_special_tokens(tok):
+    text = '<|im_start|>assistant\n<tool_call>\n{"name": "calculate"}\n</tool_call><|im_end|>'
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    assert tok.decode(ids, skip_special_tokens=True) == 'assistant\n<tool_call>\n{"name": "calculate"}\n</tool_call>'
+
+
+def test_retail_text_round_trips_and_is_compact(tok):
+    texts = retail_corpus(max_tasks=3)
+    chars = tokens = 0
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert tok.decode(ids) == text
+        chars, tokens = chars + len(text), tokens + len(ids)
+    # A byte-level tokenizer would spend one id per byte; ours learned the world's words and keys.
+    assert tokens < 0.6 * chars, (tokens, chars)
+    # Digits are split one by one (ids and prices are copied digit by digit).
+    assert tok.tokenize("#W2611340")[-7:] == list("2611340")
+
+
+def test_training_is_deterministic_and_fast():
+    import time
+
+    texts = retail_corpus(max_tasks=5)
+    start = time.perf_counter()
+    a = train_tokenizer(texts, 1024)
+    assert time.perf_counter() - start < 20
+    b = train_tokenizer(texts, 1024)
+    assert a.to_str() == b.to_str()
+    assert a.get_vocab_size() == 1024
+    c = train_tokenizer(texts[::-1], 1024)  # the corpus does shape the merges
+    assert c.get_vocab_size() == 1024
+    with pytest.raises(ValueError, match="too small"):
+        train_tokenizer(texts, 100)
+
+
+def test_cached_tokenizer_is_the_same(tok):
+    again = get_tokenizer()
+    assert again.backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
+    assert again.chat_template == CHAT_TEMPLATE
+
+
+def _render(tok, messages, tools=None, gen=False):
+    return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen)
+
+
+def test_template_matches_qwen25_layout(tok):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Where is #W1?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_order_details", "arguments": {"order_id": "#W1"}}}]},
+        {"role": "tool", "content": '{"status": "pending"}'},
+        {"role": "assistant", "content": "It is pending."},
+    ]
+    text = _render(tok, messages, TOOLS, gen=False)
+    system, rest = text.split("<|im_end|>\n", 1)
+    assert system.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    # One JSON signature per line between <tools> and </tools>.
+    listed = system.split("<tools>\n", 1)[1].split("\n</tools>", 1)[0].split("\n")
+    assert [json.loads(line) for line in listed] == TOOLS
+    assert "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>" in system
+    assert rest == (
+        "<|im_start|>user\nWhere is #W1?<|im_end|>\n"
+        "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_order_details\", \"arguments\": {\"order_id\": \"#W1\"}}"
+        "\n</tool_call><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n{\"status\": \"pending\"}\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\nIt is pending.<|im_end|>\n")
+    assert _render(tok, messages, TOOLS, gen=True) == text + "<|im_start|>assistant\n"
+
+
+def test_template_merges_consecutive_tool_results_and_defaults_system(tok):
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"type": "function", "function": {"name": "calculate", "arguments": {"expression": "1+1"}}},
+            {"function": {"name": "calculate", "arguments": '{"expression": "2+2"}'}}]},
+        {"role": "tool", "content": "2"},
+        {"role": "tool", "content": "4"},
+    ]
+    text = _render(tok, messages)
+    assert text == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nhi<|im_end|>\n"
+        "<|im_start|>assistant\nChecking.\n<tool_call>\n{\"name\": \"calculate\", \"arguments\": {\"expression\": \"1+1\"}}\n"
+        "</tool_call>\n<tool_call>\n{\"name\": \"calculate\", \"arguments\": {\"expression\": \"2+2\"}}\n</tool_call>"
+        "<|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n2\n</tool_response>\n<tool_response>\n4\n</tool_response><|im_end|>\n")
+
+
+def test_wrapped_tokenizer_saves_and_reloads(tok, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok.save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "user", "content": "Cancel #W2611340 please."}]
+    assert again.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, return_dict=False) == \
+        tok.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, return_dict=False)
+    assert again.eos_token_id == 2
+
+
+def test_tiny_config_and_model(tok):
+    cfg = tiny_qwen2_config(len(tok), tokenizer=tok)
+    assert cfg.hidden_size // cfg.num_attention_heads == 64  # vLLM's CPU attention needs >= 32
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
+    assert cfg.eos_token_id == 2 and cfg.pad_token_id == 0
+    model = build_model(cfg, seed=0)
+    assert 4.0e6 < count_parameters(model) < 4.5e6
+    same, other = build_model(cfg, seed=0), build_model(cfg, seed=1)
+    pairs = list(zip(model.state_dict().values(), same.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in pairs)
+    assert not torch.equal(model.lm_head.weight, other.lm_head.weight)
+    out = model(torch.tensor([[1, 5, 9, 2]]))
+    assert out.logits.shape == (1, 4, 2048) and torch.isfinite(out.logits).all()
+
+
+def test_bad_configs_say_why(tok):
+    with pytest.raises(ValueError, match="multiple of num_heads"):
+        tiny_qwen2_config(2048, hidden_size=250, num_heads=4)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        tiny_qwen2_config(2048, num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="tokenizer has 2048 ids"):
+        tiny_qwen2_config(1000, tokenizer=tok)
+
+
+def test_qwen25_7b_shape():
+    from transformers import Qwen2ForCausalLM
+
+    cfg = qwen25_7b_config()
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.intermediate_size, cfg.vocab_size) == (3584, 28, 28, 4, 18944, 152064)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg)
+    # Qwen2.5-7B's published count: 7.62B parameters (untied embeddings, q/k/v biases).
+    assert count_parameters(model) == 7_615_616_512
+
+
+def test_wrap_tokenizer_needs_no_corpus_of_ours():
+    tok = wrap_tokenizer(train_tokenizer(["hello world"] * 20 + ["order #W1 is pending"] * 20, 300))
+    assert len(tok) == 300
+    assert tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
+                                   add_generation_prompt=True).endswith("<|im_start|>assistant\n")
