@@ -1,0 +1,355 @@
+"""Supervised fine-tuning of the tiny policy on the oracle agent's trajectories (the synthetic
+expert data), stopped early, as the starting point of GRPO.
+
+    python -m sinkflex_core.sft --out-dir runs/sft --stop-at-reward 0.25
+
+The expert data are episodes played by :class:`sinkflex_core.envs.OracleAgent` through
+:class:`sinkflex_core.rollout.AgentBackend`: the same conversations as
+:func:`sinkflex_core.envs.expert_conversation`, assembled token by token exactly as a policy rollout
+is (prompt, assistant turns with loss mask 1, environment replies with loss mask 0), so what the
+policy learns here is what GRPO later samples and scores. The loss is the mean negative log-likelihood
+of the expert's tokens.
+
+Early stopping: every ``eval_every`` optimizer steps the policy plays held-out training tasks (the
+last ``val_tasks`` tasks of the split, never in the SFT data) with the rollout settings of the GRPO
+run; training stops at the first evaluation whose mean reward reaches ``stop_at_reward`` (the paper's
+starting point is 0.25), or at ``max_steps`` / ``max_minutes``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import hashlib
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .train import COMPACT_SYSTEM_PROMPT, ConfigError, TokenLogprobs, _coerce_simple
+
+
+@dataclass
+class SFTConfig:
+    """Model shape, expert data, optimisation and early stopping of the SFT run."""
+
+    seed: int = 0
+    env_id: str = "sinkflex/Retail-v0"
+    vocab_size: int = 2048
+    hidden_size: int = 128
+    num_layers: int = 4
+    # -- the prompt and episode limits (use the GRPO run's values) --
+    system_prompt: str | None = COMPACT_SYSTEM_PROMPT
+    include_tools: bool = False
+    max_turns: int = 16
+    max_total_tokens: int = 2048  # longer expert trajectories are cut here (the rollout would end there)
+    max_new_tokens_per_turn: int = 128
+    # -- data --
+    train_tasks: int = 0  # expert episodes from the first N training tasks (0: all but the validation ones)
+    val_tasks: int = 40  # the last N training tasks: held out, used for early stopping
+    # -- optimisation --
+    batch_tokens: int = 4096  # padded tokens per optimizer step
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    max_steps: int = 4000
+    max_minutes: float = 150.0
+    schedule_steps: int = 0  # length of the cosine decay (0: max_steps)
+    # -- early stopping --
+    eval_every: int = 100
+    eval_samples: int = 1
+    eval_temperature: float = 1.0
+    stop_at_reward: float = 0.25  # <= 0: never stop early
+    min_steps: int = 0
+    save_snapshots: bool = False  # also save the model at every evaluation (out_dir/snapshots/step_N)
+    threads: int = 0
+    progress: bool = True
+    out_dir: str = "runs/sft"
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "max_turns", "max_total_tokens",
+                     "max_new_tokens_per_turn", "batch_tokens", "max_steps", "eval_every", "eval_samples"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("train_tasks", "val_tasks", "warmup_steps", "min_steps", "threads", "schedule_steps"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
+                raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"lr must be a positive number, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.max_minutes <= 0:
+            raise ConfigError(f"max_minutes must be > 0, got {self.max_minutes}")
+        if self.eval_temperature < 0:
+            raise ConfigError(f"eval_temperature must be >= 0, got {self.eval_temperature}")
+
+    def rollout_config(self, group_size: int = 1, temperature: float = 1.0, seed: int = 0):
+        from .rollout import RolloutConfig
+
+        return RolloutConfig(group_size=group_size, max_turns=self.max_turns, max_total_tokens=self.max_total_tokens,
+                             max_new_tokens_per_turn=self.max_new_tokens_per_turn, temperature=temperature,
+                             seed=seed, system_prompt=self.system_prompt, include_tools=self.include_tools)
+
+
+# --------------------------------------------------------------------------------------------------
+# Expert data
+# --------------------------------------------------------------------------------------------------
+
+
+def expert_examples(tokenizer, cfg: SFTConfig, task_indices: list[int], split: str = "train",
+                    cache_dir: Path | None = None) -> list[dict[str, torch.Tensor]]:
+    """One example per task the oracle solves: ``{"input_ids": (L,), "loss_mask": (L,)}`` long tensors,
+    cut at ``max_total_tokens``. Cached under ``cache_dir`` (a key of the tokenizer, tasks and settings)."""
+    from .rollout import AgentBackend, collect_rollouts
+
+    key = hashlib.sha256(json.dumps({
+        "vocab": sorted(tokenizer.get_vocab().items()), "template": tokenizer.chat_template, "env": cfg.env_id,
+        "split": split, "tasks": task_indices, "system": cfg.system_prompt, "tools": cfg.include_tools,
+        "turns": cfg.max_turns, "new": cfg.max_new_tokens_per_turn}, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir / f"expert-{key}.pt" if cache_dir is not None else None
+    if path is not None and path.is_file():
+        return torch.load(path, weights_only=True)
+    # The oracle's episodes are played without a length limit and cut afterwards, so that every
+    # task contributes (its first max_total_tokens tokens).
+    rcfg = dataclasses.replace(cfg.rollout_config(), max_total_tokens=1 << 20, max_new_tokens_per_turn=4096,
+                               max_turns=max(cfg.max_turns, 64))
+    out = []
+    for i in range(0, len(task_indices), 50):
+        batch = collect_rollouts(AgentBackend(tokenizer), tokenizer, cfg.env_id, task_indices[i:i + 50], split, rcfg)
+        for row in range(len(batch)):
+            if float(batch.rewards[row]) < 1.0:  # keep only episodes the oracle solved
+                continue
+            n = min(int(batch.attention_mask[row].sum()), cfg.max_total_tokens)
+            out.append({"input_ids": batch.input_ids[row, :n].clone(), "loss_mask": batch.loss_mask[row, :n].clone()})
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(out, tmp)
+        tmp.replace(path)
+    return out
+
+
+def length_batches(lengths: list[int], batch_tokens: int, rng: np.random.Generator) -> list[list[int]]:
+    """Indices grouped into batches of similar length whose padded size (rows x longest) stays within
+    ``batch_tokens``; examples are shuffled within length buckets and the batch order is random."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], rng.random()))
+    batches, cur, longest = [], [], 0
+    for i in order:
+        new_longest = max(longest, lengths[i])
+        if cur and new_longest * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, new_longest = [], lengths[i]
+        cur.append(i)
+        longest = new_longest
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(examples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded (B, L) ``input_ids``, ``attention_mask``, ``loss_mask``, ``position_ids``."""
+    L = max(len(e["input_ids"]) for e in examples)
+    B = len(examples)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    att = torch.zeros((B, L), dtype=torch.long)
+    mask = torch.zeros((B, L), dtype=torch.float32)
+    pos = torch.zeros((B, L), dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e["input_ids"])
+        ids[i, :n], att[i, :n], mask[i, :n], pos[i, :n] = e["input_ids"], 1, e["loss_mask"].float(), torch.arange(n)
+    return {"input_ids": ids, "attention_mask": att, "loss_mask": mask, "position_ids": pos}
+
+
+def sft_loss(policy: TokenLogprobs, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Mean negative log-likelihood of the expert tokens (loss mask 1) and their number."""
+    logp, _ = policy(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+    mask = batch["loss_mask"]
+    n = int(mask.sum())
+    return -(logp * mask).sum() / max(1, n), n
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation and the loop
+# --------------------------------------------------------------------------------------------------
+
+
+def evaluate_policy(model, tokenizer, cfg: SFTConfig, task_indices: list[int], split: str = "train",
+                    samples: int = 1, temperature: float = 1.0, seed: int = 0, chunk: int = 20) -> dict:
+    """Mean reward of ``model`` on ``task_indices`` (``samples`` episodes each, fixed seeds)."""
+    from .rollout import HFBackend, collect_rollouts
+
+    was_training = model.training
+    model.eval()
+    rewards, turns = [], []
+    try:
+        backend = HFBackend(model, tokenizer)
+        for i in range(0, len(task_indices), chunk):
+            b = collect_rollouts(backend, tokenizer, cfg.env_id, task_indices[i:i + chunk], split,
+                                 cfg.rollout_config(samples, temperature, seed))
+            rewards += b.rewards.tolist()
+            turns += [s["turns"] for s in b.stats]
+    finally:
+        model.train(was_training)
+    return {"reward": float(np.mean(rewards)), "success": float(np.mean([r >= 1 - 1e-6 for r in rewards])),
+            "turns": float(np.mean(turns)), "episodes": len(rewards)}
+
+
+@dataclass
+class SFTResult:
+    model: torch.nn.Module
+    tokenizer: object
+    history: list[dict]
+    steps: int
+    stopped_early: bool
+    out_dir: Path | None
+
+
+def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
+    """Build the tiny policy, train it on expert episodes, stop early; save it (``save_pretrained``
+    with its tokenizer, plus ``sft_history.csv`` and ``sft_config.json``) to ``cfg.out_dir``."""
+    import gymnasium as gym
+
+    import sinkflex_core  # noqa: F401  (registers the environments)
+
+    from . import models
+    from .paths import build_dir
+
+    cfg.validate()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    env = gym.make(cfg.env_id, split="train")
+    n_tasks = env.unwrapped.num_tasks
+    env.close()
+    if cfg.val_tasks >= n_tasks:
+        raise ConfigError(f"val_tasks ({cfg.val_tasks}) leaves no training task of {n_tasks}")
+    n_train = min(cfg.train_tasks or n_tasks - cfg.val_tasks, n_tasks - cfg.val_tasks)
+    val_ids = list(range(n_tasks - cfg.val_tasks, n_tasks))
+
+    tokenizer = models.get_tokenizer(cfg.vocab_size)
+    data = expert_examples(tokenizer, cfg, list(range(n_train)), cache_dir=build_dir() / "sft_cache")
+    if not data:
+        raise RuntimeError("the oracle solved none of the training tasks: no expert data")
+    mcfg = models.tiny_qwen2_config(vocab_size=max(cfg.vocab_size, len(tokenizer)), hidden_size=cfg.hidden_size,
+                                    num_layers=cfg.num_layers, tokenizer=tokenizer)
+    mcfg._attn_implementation = "sdpa"
+    model = models.build_model(mcfg, seed=cfg.seed).train()
+    policy = TokenLogprobs(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    horizon = cfg.schedule_steps or cfg.max_steps
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        done = min(1.0, (step - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps))
+        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done)))
+
+    out_dir = Path(cfg.out_dir) if save else None
+    history: list[dict] = []
+    lengths = [len(e["input_ids"]) for e in data]
+    pad = tokenizer.pad_token_id or 0
+    bar = None
+    if cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.max_steps, desc="sft", unit="step", dynamic_ncols=True, file=sys.stderr)
+    t0 = time.perf_counter()
+    step, epoch, stopped, done = 0, 0, False, False
+    loss_sum, tok_sum = 0.0, 0
+    try:
+        while not done:
+            for idx in length_batches(lengths, cfg.batch_tokens, rng):
+                batch = collate([data[i] for i in idx], pad)
+                for g in opt.param_groups:
+                    g["lr"] = lr_at(step)
+                loss, n = sft_loss(policy, batch)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                step += 1
+                loss_sum += loss.item() * n
+                tok_sum += n
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+                done = step >= cfg.max_steps or (time.perf_counter() - t0) / 60 >= cfg.max_minutes
+                if step % cfg.eval_every == 0 or done:
+                    ev = evaluate_policy(model, tokenizer, cfg, val_ids, samples=cfg.eval_samples,
+                                         temperature=cfg.eval_temperature, seed=cfg.seed)
+                    row = {"step": step, "epoch": epoch, "loss": loss_sum / max(1, tok_sum), "lr": lr_at(step),
+                           "val_reward": ev["reward"], "val_success": ev["success"], "val_turns": ev["turns"],
+                           "elapsed_s": time.perf_counter() - t0}
+                    history.append(row)
+                    loss_sum, tok_sum = 0.0, 0
+                    if bar is not None:
+                        bar.write(f"sft step {step}: loss {row['loss']:.4f}, validation reward {ev['reward']:.3f}")
+                    if out_dir is not None:
+                        _write_history(out_dir / "sft_history.csv", history)
+                        if cfg.save_snapshots:
+                            snap = out_dir / "snapshots" / f"step_{step:06d}"
+                            model.save_pretrained(snap)
+                            tokenizer.save_pretrained(snap)
+                    if cfg.stop_at_reward > 0 and ev["reward"] >= cfg.stop_at_reward and step >= cfg.min_steps:
+                        stopped = done = True
+                if done:
+                    break
+            epoch += 1
+    finally:
+        if bar is not None:
+            bar.close()
+    model.eval()
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        (out_dir / "sft_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
+        _write_history(out_dir / "sft_history.csv", history)
+    return SFTResult(model=model, tokenizer=tokenizer, history=history, steps=step, stopped_early=stopped,
+                     out_dir=out_dir)
+
+
+def _write_history(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sinkflex_core.sft", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(SFTConfig):
+        default = getattr(SFTConfig(), f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(default, bool):
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            p.add_argument(flag, dest=f.name, default=default)
+    args = vars(p.parse_args(argv))
+    try:
+        values = {k: (_coerce_simple(getattr(SFTConfig(), k), v) if isinstance(v, str) else v)
+                  for k, v in args.items()}
+        result = train_sft(SFTConfig(**values))
+    except ConfigError as err:
+        print(f"sft: config error: {err}", file=sys.stderr)
+        return 2
+    last = result.history[-1] if result.history else {}
+    print(f"sft: {result.steps} steps, stopped early: {result.stopped_early}, validation reward "
+          f"{last.get('val_reward', float('nan')):.3f}; saved to {result.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

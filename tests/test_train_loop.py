@@ -1,0 +1,184 @@
+"""The GRPO loop end to end with a tiny random Qwen2 policy on the retail environment: metrics and
+checkpoints, exact resume after SIGKILL, micro-batch invariance, the reference policy, the
+LoRA / sink-attention / checkpointing / chunked-log-prob options, and torchrun with FSDP2 on gloo."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from sinkflex_core import train
+from sinkflex_core.train import TrainConfig, Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A random 2-layer policy has no chance of solving a task, so rewards (and advantages) are 0; the
+# entropy bonus and the KL term still give every step a nonzero loss and gradient to compare.
+TINY = dict(hidden_size=64, num_layers=2, tasks_per_step=2, group_size=2, num_minibatches=2, micro_batch_size=2,
+            ppo_epochs=2, max_total_tokens=320, max_new_tokens_per_turn=12, max_turns=3, system_prompt="x",
+            include_tools=False, eval_tasks=2, eval_samples=2, kl_coef=0.04, entropy_coef=0.01, lr=1e-3,
+            threads=1, progress=False, tensorboard=False, save_every=1, eval_every=2)
+COMPARED = ["reward_mean", "loss", "pg_loss", "kl", "entropy", "ratio_mean", "ratio_max", "grad_norm",
+            "tokens_policy", "eval_reward"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """The project tokenizer saved once, so that subprocesses load it in milliseconds."""
+    from sinkflex_core.models import get_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    get_tokenizer(2048).save_pretrained(path)
+    return str(path)
+
+
+def _cfg(tokenizer_dir: str, out: Path, **kw) -> TrainConfig:
+    return TrainConfig.from_dict({**TINY, "tokenizer": tokenizer_dir, "out_dir": str(out), **kw})
+
+
+def _argv(cfg: TrainConfig) -> list[str]:
+    default = TrainConfig().to_dict()
+    return [f"--set={k}={train._cli_value(v)}".replace("'", "") for k, v in cfg.to_dict().items()
+            if v != default[k]]
+
+
+def _metrics(out: Path) -> pd.DataFrame:
+    return pd.read_csv(out / "metrics.csv")
+
+
+def test_two_steps_log_metrics_checkpoint_and_change_the_policy(tokenizer_dir, tmp_path):
+    cfg = _cfg(tokenizer_dir, tmp_path / "run", steps=2)
+    trainer = Trainer(cfg)
+    before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    rows = trainer.run()
+    df = _metrics(tmp_path / "run")
+    assert list(df["step"]) == [0, 1, 2] and len(rows) == 3
+    assert list(df.columns) == train.METRIC_COLUMNS
+    assert df["eval_reward"].notna().tolist() == [True, False, True]  # before training, at eval_every, at the end
+    assert (df["trajectories"].iloc[1:] == 4).all() and (df["tokens_policy"].iloc[1:] > 0).all()
+    assert df["loss"].iloc[1:].abs().gt(0).all() and df["grad_norm"].iloc[1:].gt(0).all()
+    assert (tmp_path / "run" / "config.json").is_file() and (tmp_path / "run" / "run_info.json").is_file()
+    assert train.TrainConfig.from_dict(pd.read_json(tmp_path / "run" / "config.json", typ="series").to_dict())
+    assert train.latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step_00000002"
+    changed = [n for n, p in trainer.policy.named_parameters() if not torch.equal(p, before[n])]
+    assert changed, "two steps of GRPO left every parameter unchanged"
+    # the full-fine-tuning reference is a frozen copy of the starting weights
+    ref = dict(trainer.ref.named_parameters())
+    assert all(torch.equal(ref[n], before[n]) for n in ref)
+
+
+@pytest.mark.slow
+def test_exact_resume_after_sigkill(tokenizer_dir, tmp_path):
+    """Run 4 steps; separately start the same run, SIGKILL it right after its first checkpoint,
+    restart it: the metrics of every step are the same as the uninterrupted run's, bit for bit."""
+    cfg_full = _cfg(tokenizer_dir, tmp_path / "full", steps=4)
+    Trainer(cfg_full).run()
+    full = _metrics(tmp_path / "full")
+
+    cfg_cut = _cfg(tokenizer_dir, tmp_path / "cut", steps=4)
+    cmd = [sys.executable, "-m", "sinkflex_core.train", *_argv(cfg_cut)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    pointer = tmp_path / "cut" / "checkpoints" / "latest"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if pointer.exists():
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout.read().decode()[-2000:]
+    killed_at = int(train.latest_checkpoint(tmp_path / "cut" / "checkpoints").name.split("_")[1])
+    assert killed_at < 4, "the run finished before it could be killed"
+
+    resumed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    cut = _metrics(tmp_path / "cut")
+    assert list(cut["step"]) == list(full["step"]) == [0, 1, 2, 3, 4]
+    pd.testing.assert_frame_equal(cut[COMPARED], full[COMPARED], check_exact=True)
+
+
+def test_micro_batches_do_not_change_the_update(tokenizer_dir, tmp_path):
+    a = Trainer(_cfg(tokenizer_dir, tmp_path / "a", steps=1, micro_batch_size=2, eval_tasks=1)).run()[-1]
+    b = Trainer(_cfg(tokenizer_dir, tmp_path / "b", steps=1, micro_batch_size=1, eval_tasks=1)).run()[-1]
+    for key in ("loss", "kl", "entropy", "grad_norm", "ratio_mean"):
+        assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), key
+
+
+def test_lora_sinkflex_checkpointing_chunked_logprobs(tokenizer_dir, tmp_path):
+    cfg = _cfg(tokenizer_dir, tmp_path / "lora", steps=1, lora=True, lora_r=4, attention="sinkflex",
+               window=32, n_sink=2, gradient_checkpointing=True, logprob_chunk_size=64, tile_mlp_tokens=128)
+    trainer = Trainer(cfg)
+    trainable = [n for n, p in trainer.policy.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n or n.endswith("sinkflex_sink_logits") for n in trainable)
+    assert trainer.ref is None  # LoRA: the reference is the base model with the adapters disabled
+    base_before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters() if not p.requires_grad}
+    row = trainer.run()[-1]
+    assert all(torch.isfinite(torch.tensor(row[k])) for k in ("loss", "kl", "entropy", "grad_norm"))
+    assert all(torch.equal(p, base_before[n]) for n, p in trainer.policy.named_parameters() if not p.requires_grad)
+    # only what trains is checkpointed, and it loads back
+    ckpt = train.latest_checkpoint(tmp_path / "lora" / "checkpoints")
+    payload, _ = train.load_checkpoint(ckpt)
+    assert set(payload["model"]) == {f"{n}" for n in trainable}
+    again = Trainer(_cfg(tokenizer_dir, tmp_path / "lora", steps=1, lora=True, lora_r=4, attention="sinkflex",
+                         window=32, n_sink=2, gradient_checkpointing=True, logprob_chunk_size=64,
+                         tile_mlp_tokens=128))
+    assert again.try_resume() == ckpt and again.step_idx == 1
+    for n, p in again.policy.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, payload["model"][n]), n
+
+
+def test_lora_reference_equals_the_base_model(tokenizer_dir, tmp_path):
+    cfg = _cfg(tokenizer_dir, tmp_path / "ref", steps=1, lora=True, lora_r=4, lora_alpha=64, lr=0.05)
+    trainer = Trainer(cfg)
+    trainer.run()
+    rows = train.concat_rollouts(trainer._collect([0], "train", 2, 1.0, ("probe",)), pad_id=0)
+    ref = trainer._frozen_logprobs(rows, "ref")
+    now = trainer._frozen_logprobs(rows, "old")
+    base = train.load_model(TrainConfig.from_dict({**TINY, "tokenizer": tokenizer_dir}), trainer.tokenizer,
+                            torch.device("cpu"))
+    with torch.no_grad():
+        expect, _ = train.TokenLogprobs(base)(rows["input_ids"], rows["attention_mask"], rows["position_ids"])
+    real = rows["attention_mask"].bool()
+    assert torch.allclose(ref[real], expect[real], atol=1e-5)
+    assert not torch.allclose(now[real], expect[real], atol=1e-3)  # the adapters did move the policy
+
+
+def test_config_that_cannot_be_split_across_processes_is_refused(tokenizer_dir, tmp_path):
+    with pytest.raises(train.ConfigError, match="multiple of the number of processes"):
+        Trainer(_cfg(tokenizer_dir, tmp_path / "x", tasks_per_step=3), train.Dist(rank=0, world=2))
+
+
+def test_resume_refuses_a_different_config(tokenizer_dir, tmp_path):
+    Trainer(_cfg(tokenizer_dir, tmp_path / "r", steps=1, eval_tasks=1)).run()
+    with pytest.raises(train.ConfigError, match="different config"):
+        Trainer(_cfg(tokenizer_dir, tmp_path / "r", steps=2, eval_tasks=1, lr=5e-3)).run()
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_fsdp2_match_one_process(tokenizer_dir, tmp_path):
+    """`torchrun --nproc_per_node 2` (gloo, FSDP2) against one process, same config. Tolerance: 1e-4
+    relative (the two runs sum the same numbers in another order: micro-batches and the gradient
+    reduce-scatter differ; bitwise equality is not expected)."""
+    cfg = _cfg(tokenizer_dir, tmp_path / "two", steps=2, save_every=0)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "sinkflex_core.train", *_argv(cfg)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=240, env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    Trainer(_cfg(tokenizer_dir, tmp_path / "one", steps=2, save_every=0)).run()
+    a, b = _metrics(tmp_path / "two"), _metrics(tmp_path / "one")
+    info = pd.read_json(tmp_path / "two" / "run_info.json", typ="series")
+    assert info["world_size"] == 2
+    assert list(a["step"]) == list(b["step"]) == [0, 1, 2]
+    assert (a["loss"].iloc[1:].abs() > 1e-3).all()  # a real, nonzero loss was compared
+    for key in ("loss", "kl", "entropy", "grad_norm", "ratio_mean", "tokens_policy", "reward_mean"):
+        pd.testing.assert_series_equal(a[key].iloc[1:], b[key].iloc[1:], rtol=1e-4, atol=1e-7, check_names=False)

@@ -1,0 +1,250 @@
+"""The trainer's parts that need no model: config and command line, data order, crash-safe
+checkpoints (a real process killed with SIGKILL while writing), the metrics log, batch plumbing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from sinkflex_core import train
+from sinkflex_core.train import (
+    ConfigError,
+    MetricsLog,
+    TaskSampler,
+    TrainConfig,
+    latest_checkpoint,
+    load_checkpoint,
+    resolve_config,
+    save_checkpoint,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------------------------------
+# config
+
+
+def test_presets_hold_the_paper_settings():
+    paper = resolve_config("paper-8xh100")
+    assert (paper.model, paper.lr, paper.tasks_per_step, paper.group_size, paper.kl_coef, paper.epochs,
+            paper.max_total_tokens) == ("Qwen/Qwen2.5-7B-Instruct", 5e-6, 32, 8, 0.04, 3.0, 8192)
+    assert paper.rollout_backend == "vllm" and paper.lora and paper.attention == "sinkflex"
+    tiny = resolve_config()
+    assert tiny.preset == "tiny-cpu" and tiny.model == "tiny" and tiny.rollout_backend == "hf"
+
+
+def test_cli_overrides_flags_and_set(tmp_path):
+    cfg, _ = train.config_from_argv(["--lr", "1e-4", "--group-size", "4", "--set", "kl_coef=0.1",
+                                     "--set", "lora_targets=q_proj,v_proj", "--no-progress", "--lora"])
+    assert cfg.lr == 1e-4 and cfg.group_size == 4 and cfg.kl_coef == 0.1
+    assert cfg.lora_targets == ("q_proj", "v_proj") and cfg.progress is False and cfg.lora is True
+    # a saved config.json round-trips, with overrides on top
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    again, _ = train.config_from_argv(["--config", str(path), "--seed", "3"])
+    assert again.to_dict() == {**cfg.to_dict(), "seed": 3}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lr", "-1"], "lr must be a positive number"),
+    (["--group-size", "1"], "group_size must be >= 2"),
+    (["--group-size", "four"], "cannot read 'four' as int"),
+    (["--set", "nope=1"], "unknown config key 'nope'"),
+    (["--set", "lr"], "KEY=VALUE"),
+    (["--attention", "flash"], "attention must be one of"),
+    (["--num-minibatches", "9", "--group-size", "4"], "num_minibatches (9) must be <= group_size (4)"),
+    (["--clip-low", "1.5"], "clip_low must be in [0, 1)"),
+    (["--steps", "2.5"], "cannot read '2.5' as int"),
+])
+def test_bad_config_values_get_clear_errors(argv, message):
+    with pytest.raises(ConfigError, match=None) as err:
+        train.config_from_argv(argv)
+    assert message in str(err.value)
+
+
+def test_main_reports_config_errors_with_exit_code_2(capsys):
+    assert train.main(["--kl-kind", "k9"]) == 2
+    assert "kl_kind must be one of" in capsys.readouterr().err
+
+
+def test_print_config_gives_a_torchrun_command(capsys):
+    assert train.main(["--preset", "paper-8xh100", "--group-size", "4", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    cmd = out.strip().splitlines()[-1]
+    assert cmd.startswith("torchrun --standalone --nproc_per_node 8 -m sinkflex_core.train --preset paper-8xh100")
+    assert "--set group_size=4" in cmd
+    printed = json.loads(out[:out.index("\n# on one node")])
+    assert printed["group_size"] == 4 and printed["lr"] == 5e-6
+
+
+def test_total_steps_from_epochs():
+    cfg = TrainConfig(tasks_per_step=8, epochs=3.0, steps=0)
+    assert cfg.total_steps(num_train_tasks=20) == 8  # ceil(3 * 20 / 8)
+    assert TrainConfig(steps=5).total_steps(1000) == 5
+
+
+# --------------------------------------------------------------------------------------------------
+# data order
+
+
+def test_sampler_covers_every_task_once_per_epoch_and_resumes_exactly():
+    s = TaskSampler(num_tasks=10, batch=4, seed=7)
+    drawn = [s.next_batch() for _ in range(5)]  # 20 tasks = 2 epochs
+    flat = [t for b in drawn for t in b]
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:]) == list(range(10))
+    assert flat[:10] != flat[10:]  # a new order each epoch
+    # restore mid-way: the rest of the sequence is the same
+    s2 = TaskSampler(10, 4, seed=7)
+    s2.next_batch()
+    state = s2.state_dict()
+    s3 = TaskSampler(10, 4, seed=7)
+    s3.load_state_dict(state)
+    assert [s3.next_batch() for _ in range(4)] == drawn[1:]
+    with pytest.raises(ValueError, match="does not match"):
+        TaskSampler(11, 4, seed=7).load_state_dict(state)
+
+
+def test_derived_seeds_are_stable_and_distinct():
+    assert train.derive_seed(0, "train", 1, 0) == train.derive_seed(0, "train", 1, 0)
+    assert len({train.derive_seed(0, "train", s, p) for s in range(5) for p in range(5)}) == 25
+
+
+# --------------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def _payload(value: float) -> dict:
+    return {"model": {"w": torch.full((64,), value)}, "optimizer": {"m": torch.full((64,), -value)},
+            "trainer": {"step": int(value)}}
+
+
+def test_checkpoint_roundtrip_latest_and_pruning(tmp_path):
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, _payload(step), rank_payload={"rng": train.rng_state()}, keep=2)
+    assert [p.name for p in train.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
+    latest = latest_checkpoint(tmp_path)
+    assert latest.name == "step_00000003"
+    payload, rank = load_checkpoint(latest)
+    assert torch.equal(payload["model"]["w"], torch.full((64,), 3.0)) and "rng" in rank
+    # a damaged newest checkpoint is skipped in favour of the previous one
+    (latest / "model.pt").write_bytes(b"garbage")
+    assert latest_checkpoint(tmp_path).name == "step_00000002"
+
+
+def test_rng_state_roundtrip():
+    state = train.rng_state()
+    a = (torch.rand(3), torch.randn(2))
+    train.set_rng_state(state)
+    b = (torch.rand(3), torch.randn(2))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+_CRASH_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, torch
+    from sinkflex_core import train
+
+    root, where = sys.argv[1], sys.argv[2]
+    def payload(v):
+        return {"model": {"w": torch.full((4096,), v)}, "optimizer": {"m": torch.full((4096,), -v)},
+                "trainer": {"step": int(v)}}
+    train.save_checkpoint(root, 1, payload(1.0), rank_payload={"rng": 1})
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if where == "payload":  # killed after the first payload file is written
+        real = torch.save
+        def save_then_die(obj, f, *a, **k):
+            real(obj, f, *a, **k)
+            if str(f).endswith("model.pt"):
+                die()
+        torch.save = save_then_die
+    elif where == "rename":  # everything written and fsynced, killed just before the folder is renamed
+        train.os.rename = die
+    elif where == "pointer":  # folder renamed, killed before `latest` is switched
+        train.os.replace = die
+    elif where == "prune":  # new checkpoint complete, killed while removing the old one
+        train.shutil.rmtree = die
+    train.save_checkpoint(root, 2, payload(2.0), rank_payload={"rng": 2}, keep=1)
+    print("not killed")
+""")
+
+
+@pytest.mark.parametrize("where, expected_step", [("payload", 1), ("rename", 1), ("pointer", 1), ("prune", 2)])
+def test_sigkill_while_writing_never_corrupts_the_last_checkpoint(tmp_path, where, expected_step):
+    script = tmp_path / "crash.py"
+    script.write_text(_CRASH_SCRIPT)
+    root = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, str(script), str(root), where], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    path = latest_checkpoint(root)
+    assert path is not None and path.name == f"step_{expected_step:08d}"
+    payload, rank = load_checkpoint(path)
+    assert torch.equal(payload["model"]["w"], torch.full((4096,), float(expected_step)))
+    assert rank == {"rng": expected_step}
+    # the next save still works and leaves no temporary folder behind
+    save_checkpoint(root, 3, _payload(3.0), keep=1)
+    assert latest_checkpoint(root).name == "step_00000003"
+    assert not [p for p in root.iterdir() if p.name.startswith(".tmp")]
+
+
+# --------------------------------------------------------------------------------------------------
+# metrics log and batch plumbing
+
+
+def test_metrics_log_is_pandas_readable_and_truncates_on_resume(tmp_path):
+    log = MetricsLog(tmp_path / "metrics.csv")
+    for step in range(4):
+        log.write({"step": step, "reward_mean": 0.1 * step, "eval_reward": 0.5 if step == 0 else None})
+    log.truncate_after(2)
+    log.write({"step": 3, "reward_mean": 0.9})
+    df = pd.read_csv(tmp_path / "metrics.csv")
+    assert list(df["step"]) == [0, 1, 2, 3] and df["reward_mean"].iloc[-1] == 0.9
+    assert list(df.columns) == train.METRIC_COLUMNS
+    assert df["eval_reward"].isna().tolist() == [False, True, True, True]
+
+
+class _FakeBatch:
+    """The fields of a RolloutBatch that concat_rollouts reads (plain tensors)."""
+
+    def __init__(self, width: int, groups: list[int], reward: float):
+        b = len(groups)
+        self.input_ids = torch.arange(b * width).reshape(b, width)
+        self.attention_mask = torch.ones(b, width, dtype=torch.long)
+        self.loss_mask = torch.ones(b, width, dtype=torch.long)
+        self.old_logprobs = torch.full((b, width), -1.0)
+        self.position_ids = torch.arange(width).expand(b, width)
+        self.group_ids = torch.tensor(groups)
+        self.rewards = torch.full((b,), reward)
+        self.stats = [{"turns": 1}] * b
+
+
+def test_concat_rollouts_pads_and_keeps_groups_apart():
+    rows = train.concat_rollouts([_FakeBatch(3, [5, 5, 9, 9], 1.0), _FakeBatch(5, [5, 5], 0.0)], pad_id=0)
+    assert rows["input_ids"].shape == (6, 5)
+    assert rows["attention_mask"][:4, 3:].sum() == 0 and rows["attention_mask"][4:].sum() == 10
+    assert rows["group_ids"].tolist() == [0, 0, 1, 1, 2, 2]
+    assert train.position_in_group(rows["group_ids"]).tolist() == [0, 1, 0, 1, 0, 1]
+    trimmed = train._trim(rows, torch.tensor([0, 1]))
+    assert trimmed["input_ids"].shape == (2, 3)
+
+
+def test_per_task_rewards_follows_group_order():
+    b = _FakeBatch(2, [3, 3, 1, 1], 0.0)
+    b.rewards = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    assert train.per_task_rewards([b], tasks=[10, 11], first_pos=4) == {4: [1.0, 0.0], 5: [0.5, 0.5]}
+
+
+def test_module_runs_under_python_dash_m():
+    out = subprocess.run([sys.executable, "-m", "sinkflex_core.train", "--print-config"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, env={**os.environ})
+    assert out.returncode == 0 and "torchrun" in out.stdout
