@@ -370,17 +370,24 @@ class RetailTools:
                               "WHERE payment_method_id = ? AND source = 'gift_card'", (cents, old_pm))
         return f"payment of order {order_id} changed to {payment_method_id}"
 
-    def modify_pending_order_items(self, order_id: str, item_ids: list[str], new_item_ids: list[str],
-                                   payment_method_id: str) -> str:
-        order = self._order_row(order_id)
-        if order[2] != "pending":
-            raise ToolError("non-pending order cannot be modified")
-        old_rows = self._check_items(order_id, item_ids)
+    def _swap_items(self, order, item_ids: list[str], new_item_ids: list[str], payment_method_id: str):
+        """Checks shared by modify and exchange: the items belong to the order, each new item is another
+        available variant of the same product, and a gift card covers the price difference.
+        Returns (old rows, new rows, price difference in cents)."""
+        old_rows = self._check_items(order[0], item_ids)
         new_rows = self._check_new_items(old_rows, new_item_ids)
         pm = self._payment_method(order[1], payment_method_id)
         diff = sum(r[3] for r in new_rows) - sum(r[3] for r in old_rows)
         if pm[1] == "gift_card" and pm[2] < diff:
             raise ToolError("insufficient gift card balance to pay for the price difference")
+        return old_rows, new_rows, diff
+
+    def modify_pending_order_items(self, order_id: str, item_ids: list[str], new_item_ids: list[str],
+                                   payment_method_id: str) -> str:
+        order = self._order_row(order_id)
+        if order[2] != "pending":
+            raise ToolError("non-pending order cannot be modified")
+        old_rows, new_rows, diff = self._swap_items(order, item_ids, new_item_ids, payment_method_id)
         with self.conn:
             for old, new in zip(old_rows, new_rows):
                 self.conn.execute("UPDATE order_items SET item_id = ?, price_cents = ? WHERE order_id = ? AND pos = ?",
@@ -413,12 +420,7 @@ class RetailTools:
         order = self._order_row(order_id)
         if order[2] != "delivered":
             raise ToolError("non-delivered order cannot be exchanged")
-        old_rows = self._check_items(order_id, item_ids)
-        new_rows = self._check_new_items(old_rows, new_item_ids)
-        pm = self._payment_method(order[1], payment_method_id)
-        diff = sum(r[3] for r in new_rows) - sum(r[3] for r in old_rows)
-        if pm[1] == "gift_card" and pm[2] < diff:
-            raise ToolError("insufficient gift card balance to pay for the price difference")
+        old_rows, new_rows, diff = self._swap_items(order, item_ids, new_item_ids, payment_method_id)
         pairs = sorted(zip((r[1] for r in old_rows), (r[0] for r in new_rows)))
         with self.conn:
             self.conn.execute("UPDATE orders SET status = 'exchange requested', exchange_items = ?, "
