@@ -81,10 +81,16 @@ def _cmd_env(args) -> int:
     return 0
 
 
+_DELEGATED = {"train": "sinkflex_core.train", "bench": "sinkflex_core.bench"}
+
+
+def _main_of(module: str, argv: list[str]) -> int:
+    return int(importlib.import_module(module).main(argv) or 0)
+
+
 def _delegate(module: str):
     def run(args) -> int:
-        mod = importlib.import_module(module)
-        return int(mod.main(args.rest) or 0)
+        return _main_of(module, args.rest)
 
     return run
 
@@ -126,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # `train` and `bench` own their options: hand everything after the command word to them as is
+    # (argparse's REMAINDER would reject a leading option such as `sinkflex train --lr 1e-4`).
+    if argv and argv[0] in _DELEGATED:
+        return _main_of(_DELEGATED[argv[0]], argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

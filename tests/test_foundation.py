@@ -140,3 +140,14 @@ def test_no_absolute_machine_paths_in_tracked_files():
         if pattern.search(text):
             offenders.append(name)
     assert offenders == []
+
+
+def test_cli_hands_train_options_to_the_trainer():
+    ok = subprocess.run([sys.executable, "-m", "sinkflex_core", "train", "--lr", "3e-4", "--print-config"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert '"lr": 0.0003' in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "sinkflex_core", "train", "--lr", "-5", "--print-config"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2
+    assert "lr must be a positive number" in bad.stderr + bad.stdout
