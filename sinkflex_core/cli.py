@@ -88,13 +88,6 @@ def _main_of(module: str, argv: list[str]) -> int:
     return int(importlib.import_module(module).main(argv) or 0)
 
 
-def _delegate(module: str):
-    def run(args) -> int:
-        return _main_of(module, args.rest)
-
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sinkflex", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,13 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("env", help="versions, device, FlexAttention and vLLM status")
     ev.set_defaults(func=_cmd_env)
 
-    tr = sub.add_parser("train", help="the GRPO trainer", add_help=False)
-    tr.add_argument("rest", nargs=argparse.REMAINDER)
-    tr.set_defaults(func=_delegate("sinkflex_core.train"))
-
-    bench = sub.add_parser("bench", help="benchmarks (vram)", add_help=False)
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
-    bench.set_defaults(func=_delegate("sinkflex_core.bench"))
+    # listed for --help only: main() hands `train` and `bench` to their own modules before parsing
+    sub.add_parser("train", help="the GRPO trainer (`sinkflex train --help`)", add_help=False)
+    sub.add_parser("bench", help="benchmarks: `sinkflex bench vram --help`", add_help=False)
     return parser
 
 
