@@ -50,6 +50,25 @@ def run_sft(sft_dir: Path, smoke: bool, threads: int) -> Path:
     return sft_dir
 
 
+def write_sft_table(sft_dir: Path, hist: pd.DataFrame) -> None:
+    """``data/reward_curve_sft.csv``: every evaluation of the SFT start, with its settings and provenance."""
+    from transformers import AutoModelForCausalLM
+
+    from sinkflex_core.provenance import provenance
+
+    cfg = json.loads((sft_dir / "sft_config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(sft_dir)
+    mcfg, n_params = model.config, sum(p.numel() for p in model.parameters())
+    table = hist.assign(run="sft", seed=cfg["seed"], peak_lr=cfg["lr"], hidden_size=mcfg.hidden_size,
+                        num_layers=mcfg.num_hidden_layers, num_heads=mcfg.num_attention_heads, parameters=n_params,
+                        batch_tokens=cfg["batch_tokens"], context_loss_weight=cfg["context_loss_weight"],
+                        val_tasks=cfg["val_tasks"], eval_temperature=cfg["eval_temperature"], threads=cfg["threads"])
+    for k, v in provenance().items():
+        table[k] = v
+    front = ["run", "seed", "step", "epoch", "loss", "lr", "val_reward", "val_success", "val_turns", "elapsed_s", "best"]
+    table[front + [c for c in table.columns if c not in front]].to_csv(data_dir() / "reward_curve_sft.csv", index=False)
+
+
 def grpo_config(sft_dir: Path, seed: int, out_dir: Path, smoke: bool, threads: int, overrides: dict):
     values = {"model": str(sft_dir), "seed": seed, "out_dir": str(out_dir), "threads": threads, **overrides}
     if smoke:
@@ -109,8 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     sft_hist = pd.read_csv(sft_dir / "sft_history.csv") if (sft_dir / "sft_history.csv").is_file() else None
     sft_extra = {}
     if sft_hist is not None and len(sft_hist):
-        sft_extra = {"sft_steps": int(sft_hist["step"].iloc[-1]), "sft_val_reward": float(sft_hist["val_reward"].iloc[-1]),
+        chosen = sft_hist[sft_hist["best"]].iloc[-1] if "best" in sft_hist and sft_hist["best"].any() \
+            else sft_hist.iloc[-1]
+        sft_extra = {"sft_steps": int(chosen["step"]), "sft_val_reward": float(chosen["val_reward"]),
                      "sft_minutes": round(float(sft_hist["elapsed_s"].iloc[-1]) / 60, 2)}
+        if not args.smoke:
+            write_sft_table(sft_dir, sft_hist)
     tables = []
     for seed in args.seeds:
         run_dir = out_root / f"grpo_seed{seed}"

@@ -3,6 +3,10 @@
 The tokenizer is a byte-level BPE trained here, in seconds, on the retail world's own text (tool
 schemas, the policy, customer messages, tool outputs and oracle replies of expert conversations), so
 that records such as ``#W2611340`` or ``noah_brown_6181`` cost few tokens and nothing is downloaded.
+Runs of digits are cut into groups of up to three from the left (``2611340`` -> ``261 134 0``), as
+the Llama 3 and GPT-4 tokenizers do, and every group is one token: an id is copied in three or four
+steps whose tokens rarely repeat in a context, which a small model learns far sooner than copying
+single digits.
 It carries a chat template with tools in the Qwen2.5 format: the same rollout and training code then
 drives a real Qwen2.5-Instruct checkpoint and the project's tiny Qwen2-architecture models.
 
@@ -40,7 +44,7 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
 # The chat template (Jinja, rendered by transformers' sandboxed environment). Bump TEMPLATE_VERSION
 # when the text changes so that cached tokenizers are rebuilt.
-TEMPLATE_VERSION = 1
+TEMPLATE_VERSION = 2
 CHAT_TEMPLATE = (
     "{%- if messages and messages[0].role == 'system' -%}"
     "{%- set system_text = messages[0].content -%}"
@@ -140,14 +144,18 @@ def _corpus_fingerprint(max_tasks: int, vocab_size: int) -> str:
     return h.hexdigest()[:16]
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
+DEFAULT_VOCAB_SIZE = 3072  # the retail corpus needs ~2,600 ids with digit groups; the rest are reserved
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE):
     """Train a byte-level BPE (a ``tokenizers.Tokenizer``) of exactly ``vocab_size`` ids on ``texts``.
 
     Ids 0-2 are ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` (special); the four tool tags
     are the last ids; ids the corpus has no merges for are ``<|reserved_k|>`` special tokens.
-    Digits are split one by one, as in Qwen2, so that numbers and ids are copied digit by digit.
+    Digit runs are split into groups of up to three from the left before BPE (as in Llama 3); with
+    ``vocab_size`` >= ~2,600 the retail corpus makes every group of one to three digits a single token.
     Training is deterministic for a given list of texts."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     n_fixed = len(SPECIAL_TOKENS) + len(TOOL_TOKENS)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -156,7 +164,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
                          f"{256 + n_fixed + 1} ids (256 bytes, {n_fixed} special/tool tokens, one merge)")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.Split(Regex(r"\p{N}{1,3}"), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     ])
     tok.decoder = decoders.ByteLevel()
@@ -164,7 +172,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
         vocab_size=vocab_size - len(TOOL_TOKENS), special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=alphabet, min_frequency=2, show_progress=False)
     tok.train_from_iterator(list(texts), trainer)
-    # A small, regular corpus runs out of merges before vocab_size (the retail world supports ~1,600
+    # A small, regular corpus runs out of merges before vocab_size (the retail world supports ~2,600
     # ids); the rest are reserved special tokens, so that the vocabulary size is always the one asked
     # for and model shapes do not depend on the corpus.
     n_reserved = vocab_size - len(TOOL_TOKENS) - tok.get_vocab_size()
@@ -187,7 +195,7 @@ def wrap_tokenizer(tok):
     return hf
 
 
-def get_tokenizer(vocab_size: int = 2048, max_tasks: int = 40, cache: bool = True):
+def get_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE, max_tasks: int = 40, cache: bool = True):
     """The project's tokenizer: a byte-level BPE of exactly ``vocab_size`` ids trained on the retail
     world's text (:func:`retail_corpus`), with the chat template. Training takes a few seconds; the
     result is cached in ``build/tokenizers/`` under a key of the environments' source, the template and
@@ -206,11 +214,39 @@ def get_tokenizer(vocab_size: int = 2048, max_tasks: int = 40, cache: bool = Tru
     return wrap_tokenizer(tok)
 
 
+def load_tokenizer(name_or_path: str):
+    """A tokenizer from a folder or hub id, exactly as it was saved.
+
+    ``AutoTokenizer`` in transformers 5 picks the tokenizer class from the folder's ``config.json``
+    (``model_type: qwen2`` -> ``Qwen2Tokenizer``), and that class rebuilds the pre-tokenizer from its
+    own rules instead of reading the one in ``tokenizer.json``. For the project's tokenizer saved next to
+    a tiny Qwen2 policy this silently changed how digits are split (single digits instead of groups of
+    three), so a policy trained with one tokenization was run with another. Here the folder's
+    ``tokenizer.json`` is the reference: if the class ``AutoTokenizer`` chose tokenizes differently, the
+    file is loaded verbatim instead (``PreTrainedTokenizerFast``), chat template included."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tok = AutoTokenizer.from_pretrained(name_or_path)
+    path = Path(name_or_path) / "tokenizer.json"
+    if not path.is_file():
+        return tok
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    built = json.loads(tok.backend_tokenizer.to_str()) if hasattr(tok, "backend_tokenizer") else {}
+    if all(built.get(k) == saved.get(k) for k in ("normalizer", "pre_tokenizer", "model")):
+        return tok
+    log.info("%s: %s rebuilds the tokenizer differently from tokenizer.json; loading the file as saved",
+             name_or_path, type(tok).__name__)
+    exact = PreTrainedTokenizerFast.from_pretrained(name_or_path)
+    if exact.chat_template is None and tok.chat_template is not None:
+        exact.chat_template = tok.chat_template
+    return exact
+
+
 # ----------------------------------------------------------------------------------------------------
 # Models
 # ----------------------------------------------------------------------------------------------------
 
-def tiny_qwen2_config(vocab_size: int = 2048, hidden_size: int = 256, num_layers: int = 4,
+def tiny_qwen2_config(vocab_size: int = DEFAULT_VOCAB_SIZE, hidden_size: int = 256, num_layers: int = 4,
                       num_heads: int | None = None, num_kv_heads: int | None = None,
                       intermediate_size: int | None = None, max_position_embeddings: int = 32768,
                       tie_word_embeddings: bool = False, tokenizer=None):
@@ -218,7 +254,7 @@ def tiny_qwen2_config(vocab_size: int = 2048, hidden_size: int = 256, num_layers
 
     Heads default to ``hidden_size // 64`` so that the head dimension is 64 (vLLM's CPU attention
     rejects small head dimensions such as 16); KV heads to half of that (grouped-query attention).
-    With the defaults (hidden 256, 4 layers, vocab 2048): about 4.2M parameters. ``tokenizer``, if
+    With the defaults (hidden 256, 4 layers, vocab 3072): about 4.7M parameters. ``tokenizer``, if
     given, sets the pad and end-of-sequence ids."""
     from transformers import Qwen2Config
 

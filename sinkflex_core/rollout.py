@@ -569,9 +569,9 @@ class VLLMBackend:
             model_path = self._tmp.name
         if stop_token_ids is None:
             if tokenizer is None:
-                from transformers import AutoTokenizer
+                from .models import load_tokenizer
 
-                tokenizer = AutoTokenizer.from_pretrained(model_path)
+                tokenizer = load_tokenizer(model_path)
             stop_token_ids = [tokenizer.eos_token_id]
         self.stop_token_ids = set(int(t) for t in stop_token_ids)
         self.model_path = model_path

@@ -8,7 +8,13 @@ The expert data are episodes played by :class:`sinkflex_core.envs.OracleAgent` t
 :func:`sinkflex_core.envs.expert_conversation`, assembled token by token exactly as a policy rollout
 is (prompt, assistant turns with loss mask 1, environment replies with loss mask 0), so what the
 policy learns here is what GRPO later samples and scores. The loss is the mean negative log-likelihood
-of the expert's tokens.
+of the expert's tokens, plus (``context_loss_weight``, default 1) the same loss on every other token
+of the episode: the customer's messages and the tool outputs. A pretrained LLM arrives knowing how
+to copy a string from its context; a tiny model trained from scratch does not, and the records the
+tools print repeat ids that appeared earlier in the episode, so this next-token loss on the whole
+conversation is the cheapest teacher of copying there is. Measured on the retail world (hidden 128,
+4 layers, one thread, 600 optimizer steps of 4,096 tokens): the expert's digit tokens were predicted
+correctly 29 % of the time with the context loss and 15 % without it.
 
 Early stopping: every ``eval_every`` optimizer steps the policy plays held-out training tasks (the
 last ``val_tasks`` tasks of the split, never in the SFT data) with the rollout settings of the GRPO
@@ -41,9 +47,11 @@ class SFTConfig:
 
     seed: int = 0
     env_id: str = "sinkflex/Retail-v0"
-    vocab_size: int = 2048
+    vocab_size: int = 3072
     hidden_size: int = 128
     num_layers: int = 4
+    num_heads: int = 0  # 0: hidden_size // 64 (models.tiny_qwen2_config's rule)
+    num_kv_heads: int = 0  # 0: half the heads
     # -- the prompt and episode limits (use the GRPO run's values) --
     system_prompt: str | None = COMPACT_SYSTEM_PROMPT
     include_tools: bool = False
@@ -56,6 +64,7 @@ class SFTConfig:
     # -- optimisation --
     batch_tokens: int = 4096  # padded tokens per optimizer step
     lr: float = 2e-3
+    context_loss_weight: float = 1.0  # weight of the loss on non-expert tokens (0: classic SFT)
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
     weight_decay: float = 0.01
@@ -70,6 +79,7 @@ class SFTConfig:
     stop_at_reward: float = 0.25  # <= 0: never stop early
     min_steps: int = 0
     save_snapshots: bool = False  # also save the model at every evaluation (out_dir/snapshots/step_N)
+    keep_best: bool = True  # save the weights of the best evaluation (ties: the later), not the last
     threads: int = 0
     progress: bool = True
     out_dir: str = "runs/sft"
@@ -79,13 +89,16 @@ class SFTConfig:
                      "max_new_tokens_per_turn", "batch_tokens", "max_steps", "eval_every", "eval_samples"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("train_tasks", "val_tasks", "warmup_steps", "min_steps", "threads", "schedule_steps"):
+        for name in ("train_tasks", "val_tasks", "warmup_steps", "min_steps", "threads", "schedule_steps",
+                     "num_heads", "num_kv_heads"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"lr must be a positive number, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not (self.context_loss_weight >= 0 and math.isfinite(self.context_loss_weight)):
+            raise ConfigError(f"context_loss_weight must be a number >= 0, got {self.context_loss_weight}")
         if self.max_minutes <= 0:
             raise ConfigError(f"max_minutes must be > 0, got {self.max_minutes}")
         if self.eval_temperature < 0:
@@ -113,7 +126,8 @@ def expert_examples(tokenizer, cfg: SFTConfig, task_indices: list[int], split: s
     key = hashlib.sha256(json.dumps({
         "vocab": sorted(tokenizer.get_vocab().items()), "template": tokenizer.chat_template, "env": cfg.env_id,
         "split": split, "tasks": task_indices, "system": cfg.system_prompt, "tools": cfg.include_tools,
-        "turns": cfg.max_turns, "new": cfg.max_new_tokens_per_turn}, sort_keys=True).encode()).hexdigest()[:16]
+        "turns": cfg.max_turns, "new": cfg.max_new_tokens_per_turn,
+        "max_total": cfg.max_total_tokens}, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir / f"expert-{key}.pt" if cache_dir is not None else None
     if path is not None and path.is_file():
         return torch.load(path, weights_only=True)
@@ -169,12 +183,19 @@ def collate(examples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, t
     return {"input_ids": ids, "attention_mask": att, "loss_mask": mask, "position_ids": pos}
 
 
-def sft_loss(policy: TokenLogprobs, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Mean negative log-likelihood of the expert tokens (loss mask 1) and their number."""
+def sft_loss(policy: TokenLogprobs, batch: dict[str, torch.Tensor],
+             context_weight: float = 0.0) -> tuple[torch.Tensor, int]:
+    """Weighted mean negative log-likelihood and the number of expert tokens (loss mask 1).
+
+    Expert tokens weigh 1, the other real tokens of the episode ``context_weight`` (padding and each
+    row's first token, which has no prefix, weigh 0)."""
     logp, _ = policy(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
     mask = batch["loss_mask"]
+    real = batch["attention_mask"].to(mask.dtype)
+    weight = (mask + context_weight * (1 - mask) * real) if context_weight else mask.clone()
+    weight[:, 0] = 0
     n = int(mask.sum())
-    return -(logp * mask).sum() / max(1, n), n
+    return -(logp * weight).sum() / weight.sum().clamp(min=1), n
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,7 +262,8 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     if not data:
         raise RuntimeError("the oracle solved none of the training tasks: no expert data")
     mcfg = models.tiny_qwen2_config(vocab_size=max(cfg.vocab_size, len(tokenizer)), hidden_size=cfg.hidden_size,
-                                    num_layers=cfg.num_layers, tokenizer=tokenizer)
+                                    num_layers=cfg.num_layers, num_heads=cfg.num_heads or None,
+                                    num_kv_heads=cfg.num_kv_heads or None, tokenizer=tokenizer)
     mcfg._attn_implementation = "sdpa"
     model = models.build_model(mcfg, seed=cfg.seed).train()
     policy = TokenLogprobs(model)
@@ -265,6 +287,7 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
         bar = tqdm(total=cfg.max_steps, desc="sft", unit="step", dynamic_ncols=True, file=sys.stderr)
     t0 = time.perf_counter()
     step, epoch, stopped, done = 0, 0, False, False
+    best_reward, best_state = -1.0, None
     loss_sum, tok_sum = 0.0, 0
     try:
         while not done:
@@ -272,7 +295,7 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
                 batch = collate([data[i] for i in idx], pad)
                 for g in opt.param_groups:
                     g["lr"] = lr_at(step)
-                loss, n = sft_loss(policy, batch)
+                loss, n = sft_loss(policy, batch, cfg.context_loss_weight)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 opt.step()
@@ -289,9 +312,13 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
                                          temperature=cfg.eval_temperature, seed=cfg.seed)
                     row = {"step": step, "epoch": epoch, "loss": loss_sum / max(1, tok_sum), "lr": lr_at(step),
                            "val_reward": ev["reward"], "val_success": ev["success"], "val_turns": ev["turns"],
-                           "elapsed_s": time.perf_counter() - t0}
+                           "elapsed_s": time.perf_counter() - t0, "best": False}
                     history.append(row)
                     loss_sum, tok_sum = 0.0, 0
+                    if cfg.keep_best and ev["reward"] >= best_reward:
+                        best_reward = ev["reward"]
+                        best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                        row["best"] = True
                     if bar is not None:
                         bar.write(f"sft step {step}: loss {row['loss']:.4f}, validation reward {ev['reward']:.3f}")
                     if out_dir is not None:
@@ -308,6 +335,8 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     finally:
         if bar is not None:
             bar.close()
+    if cfg.keep_best and best_state is not None:
+        model.load_state_dict(best_state)
     model.eval()
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -74,7 +74,7 @@ class TrainConfig:
     # -- policy --
     model: str = "tiny"  # "tiny": a random Qwen2 from models.tiny_qwen2_config; else a local dir or hub id
     tokenizer: str = "auto"  # "auto": the model folder's tokenizer, or models.get_tokenizer for "tiny"
-    vocab_size: int = 2048  # tokenizer vocabulary of the tiny models
+    vocab_size: int = 3072  # tokenizer vocabulary of the tiny models (digit groups need ~2,600)
     hidden_size: int = 128  # tiny models only
     num_layers: int = 4  # tiny models only
     dtype: str = "float32"  # float32 | bfloat16 (parameters; optimizer math follows them)
@@ -788,10 +788,10 @@ def load_tokenizer(cfg: TrainConfig):
 
 
 def _auto_tokenizer(name: str):
-    from transformers import AutoTokenizer
+    from . import models
 
     try:
-        return AutoTokenizer.from_pretrained(name)
+        return models.load_tokenizer(name)
     except OSError as err:
         raise ConfigError(f"cannot load a tokenizer from {name!r}: {err}") from None
 

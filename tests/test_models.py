@@ -11,10 +11,12 @@ from sinkflex_core.models import (
     IM_END,
     IM_START,
     PAD_TOKEN,
+    DEFAULT_VOCAB_SIZE,
     TOOL_TOKENS,
     build_model,
     count_parameters,
     get_tokenizer,
+    load_tokenizer,
     qwen25_7b_config,
     retail_corpus,
     tiny_qwen2_config,
@@ -38,13 +40,13 @@ def tok():
 
 
 def test_vocabulary_size_and_special_ids(tok):
-    assert len(tok) == 2048
+    assert len(tok) == DEFAULT_VOCAB_SIZE == 3072
     assert tok.convert_tokens_to_ids([PAD_TOKEN, IM_START, IM_END]) == [0, 1, 2]
     assert tok.eos_token == IM_END and tok.pad_token == PAD_TOKEN
-    assert tok.convert_tokens_to_ids(TOOL_TOKENS) == [2044, 2045, 2046, 2047]
+    assert tok.convert_tokens_to_ids(TOOL_TOKENS) == [3068, 3069, 3070, 3071]
     # Each tag is one id wherever it appears in text.
     ids = tok.encode("x<tool_call>y</tool_call><|im_end|>", add_special_tokens=False)
-    assert 2044 in ids and 2045 in ids and ids[-1] == 2
+    assert 3068 in ids and 3069 in ids and ids[-1] == 2
 
 
 def test_decoding_keeps_tool_tags_but_drops_special_tokens(tok):
@@ -63,8 +65,18 @@ def test_retail_text_round_trips_and_is_compact(tok):
         chars, tokens = chars + len(text), tokens + len(ids)
     # A byte-level tokenizer would spend one id per byte; ours learned the world's words and keys.
     assert tokens < 0.6 * chars, (tokens, chars)
-    # Digits are split one by one (ids and prices are copied digit by digit).
-    assert tok.tokenize("#W2611340")[-7:] == list("2611340")
+    # Digit runs are cut into groups of up to three from the left, each group one token.
+    assert tok.tokenize("#W2611340")[-3:] == ["261", "134", "0"]
+    assert tok.tokenize("1387882051") == ["138", "788", "205", "1"]
+    assert tok.tokenize("$63.64")[-3:] == ["63", ".", "64"]
+
+
+def test_every_group_of_up_to_three_digits_is_one_token(tok):
+    groups = [f"{i:0{w}d}" for w in (1, 2, 3) for i in range(10**w)]
+    assert len(groups) == 1110
+    vocab = tok.get_vocab()
+    assert [g for g in groups if g not in vocab] == []
+    assert all(len(tok.encode(g, add_special_tokens=False)) == 1 for g in groups[::7])
 
 
 def test_training_is_deterministic_and_fast():
@@ -137,6 +149,25 @@ def test_template_merges_consecutive_tool_results_and_defaults_system(tok):
         "<|im_start|>user\n<tool_response>\n2\n</tool_response>\n<tool_response>\n4\n</tool_response><|im_end|>\n")
 
 
+def test_tokenizer_saved_beside_a_policy_reloads_unchanged(tok, tmp_path):
+    """A policy folder holds config.json (model_type qwen2) and the tokenizer; transformers 5's
+    AutoTokenizer then builds Qwen2Tokenizer with its own pre-tokenizer. load_tokenizer (used by the
+    trainer) must give back the tokenization the policy was trained with."""
+    from sinkflex_core.train import TrainConfig, load_tokenizer as trainer_tokenizer
+
+    build_model(tiny_qwen2_config(len(tok), hidden_size=64, num_layers=1, tokenizer=tok)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    texts = retail_corpus(max_tasks=2)[-40:] + ['"zip": "85012", "#W2611340", 1387882051, $63.64']
+    for again in (load_tokenizer(str(tmp_path)),
+                  trainer_tokenizer(TrainConfig(model=str(tmp_path), out_dir=str(tmp_path / "run")))):
+        assert [again.encode(t, add_special_tokens=False) for t in texts] == \
+            [tok.encode(t, add_special_tokens=False) for t in texts]
+        messages = [{"role": "user", "content": "Cancel #W2611340 please."}]
+        assert again.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, return_dict=False) == \
+            tok.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, return_dict=False)
+        assert again.eos_token_id == 2 and again.pad_token_id == 0
+
+
 def test_wrapped_tokenizer_saves_and_reloads(tok, tmp_path):
     from transformers import AutoTokenizer
 
@@ -154,13 +185,13 @@ def test_tiny_config_and_model(tok):
     assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
     assert cfg.eos_token_id == 2 and cfg.pad_token_id == 0
     model = build_model(cfg, seed=0)
-    assert 4.0e6 < count_parameters(model) < 4.5e6
+    assert 4.5e6 < count_parameters(model) < 5.0e6
     same, other = build_model(cfg, seed=0), build_model(cfg, seed=1)
     pairs = list(zip(model.state_dict().values(), same.state_dict().values()))
     assert all(torch.equal(a, b) for a, b in pairs)
     assert not torch.equal(model.lm_head.weight, other.lm_head.weight)
     out = model(torch.tensor([[1, 5, 9, 2]]))
-    assert out.logits.shape == (1, 4, 2048) and torch.isfinite(out.logits).all()
+    assert out.logits.shape == (1, 4, 3072) and torch.isfinite(out.logits).all()
 
 
 def test_bad_configs_say_why(tok):
@@ -168,7 +199,7 @@ def test_bad_configs_say_why(tok):
         tiny_qwen2_config(2048, hidden_size=250, num_heads=4)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         tiny_qwen2_config(2048, num_heads=4, num_kv_heads=3)
-    with pytest.raises(ValueError, match="tokenizer has 2048 ids"):
+    with pytest.raises(ValueError, match="tokenizer has 3072 ids"):
         tiny_qwen2_config(1000, tokenizer=tok)
 
 

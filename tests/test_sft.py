@@ -10,7 +10,7 @@ import torch
 
 from sinkflex_core import sft, train
 from sinkflex_core.envs import expert_conversation, format_tool_call
-from sinkflex_core.models import get_tokenizer
+from sinkflex_core.models import DEFAULT_VOCAB_SIZE, build_model, get_tokenizer, tiny_qwen2_config
 
 SMALL = dict(hidden_size=64, num_layers=2, max_total_tokens=768, max_turns=6, max_new_tokens_per_turn=96,
              batch_tokens=2048, eval_every=1000, val_tasks=2, threads=1, progress=False)
@@ -18,7 +18,7 @@ SMALL = dict(hidden_size=64, num_layers=2, max_total_tokens=768, max_turns=6, ma
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return get_tokenizer(2048)
+    return get_tokenizer()
 
 
 def _masked_spans(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
@@ -80,17 +80,53 @@ def test_bad_sft_config_is_refused():
     assert sft.main(["--max-minutes", "-1"]) == 2
 
 
+def test_context_loss_weighs_expert_tokens_one_and_other_real_tokens_w(tokenizer):
+    torch.manual_seed(0)
+    model = build_model(tiny_qwen2_config(len(tokenizer), hidden_size=64, num_layers=1, tokenizer=tokenizer))
+    policy = train.TokenLogprobs(model)
+    examples = [{"input_ids": torch.randint(3, 500, (n,)), "loss_mask": (torch.rand(n) < 0.4).long()}
+                for n in (9, 14)]
+    for e in examples:
+        e["loss_mask"][0] = 0  # the first token of an episode is the prompt's
+    batch = sft.collate(examples, pad_id=0)
+    with torch.no_grad():
+        logp, _ = policy(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+        mask, real = batch["loss_mask"], batch["attention_mask"].float()
+        classic, n = sft.sft_loss(policy, batch, 0.0)
+        assert n == int(mask.sum())
+        torch.testing.assert_close(classic, -(logp * mask).sum() / mask.sum())
+        w = 0.3
+        weights = mask + w * (1 - mask) * real
+        weights[:, 0] = 0  # a row's first token has no prefix to be predicted from
+        mixed, _ = sft.sft_loss(policy, batch, w)
+        torch.testing.assert_close(mixed, -(logp * weights).sum() / weights.sum())
+        assert not torch.isclose(mixed, classic)
+        # padding weighs nothing: changing padded ids changes neither loss
+        batch2 = dict(batch, input_ids=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, 7))
+        torch.testing.assert_close(sft.sft_loss(policy, batch2, w)[0], mixed)
+    with pytest.raises(train.ConfigError, match="context_loss_weight"):
+        sft.SFTConfig(context_loss_weight=-1).validate()
+
+
 @pytest.mark.slow
 def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path):
     cfg = sft.SFTConfig(**{**SMALL, "train_tasks": 6, "max_steps": 30, "eval_every": 15, "lr": 3e-3,
                            "warmup_steps": 5, "stop_at_reward": 0.0, "max_total_tokens": 512, "max_turns": 3,
-                           "max_new_tokens_per_turn": 24, "out_dir": str(tmp_path / "sft")})
+                           "max_new_tokens_per_turn": 24, "out_dir": str(tmp_path / "sft"),
+                           "save_snapshots": True})
     result = sft.train_sft(cfg)
     hist = result.history
     assert result.steps == 30 and [h["step"] for h in hist] == [15, 30]
     # 30 steps over 6 conversations: the expert tokens become much more likely than at random init
-    assert hist[-1]["loss"] < 0.6 * np.log(2048)
+    assert hist[-1]["loss"] < 0.6 * np.log(DEFAULT_VOCAB_SIZE)
     assert (tmp_path / "sft" / "model.safetensors").is_file() and (tmp_path / "sft" / "sft_history.csv").is_file()
+    # keep_best: the saved policy is the snapshot of the best evaluation (ties: the later one)
+    best = max(range(len(hist)), key=lambda i: (hist[i]["val_reward"], i))
+    assert [h["best"] for h in hist][best] and sum(h["best"] for h in hist[best + 1:]) == 0
+    from transformers import AutoModelForCausalLM
+
+    snap = AutoModelForCausalLM.from_pretrained(tmp_path / "sft" / "snapshots" / f"step_{hist[best]['step']:06d}")
+    assert all(torch.equal(a, b) for a, b in zip(snap.state_dict().values(), result.model.state_dict().values()))
     tcfg = train.TrainConfig.from_dict({"model": str(tmp_path / "sft"), "out_dir": str(tmp_path / "grpo"),
                                         "max_total_tokens": 512, "steps": 1})
     tok = train.load_tokenizer(tcfg)

@@ -36,7 +36,7 @@ def tokenizer_dir(tmp_path_factory):
     from sinkflex_core.models import get_tokenizer
 
     path = tmp_path_factory.mktemp("tokenizer")
-    get_tokenizer(2048).save_pretrained(path)
+    get_tokenizer().save_pretrained(path)
     return str(path)
 
 
