@@ -8,10 +8,10 @@ import torch
 
 from sinkflex_core.models import (
     CHAT_TEMPLATE,
+    DEFAULT_VOCAB_SIZE,
     IM_END,
     IM_START,
     PAD_TOKEN,
-    DEFAULT_VOCAB_SIZE,
     TOOL_TOKENS,
     build_model,
     count_parameters,
@@ -153,7 +153,8 @@ def test_tokenizer_saved_beside_a_policy_reloads_unchanged(tok, tmp_path):
     """A policy folder holds config.json (model_type qwen2) and the tokenizer; transformers 5's
     AutoTokenizer then builds Qwen2Tokenizer with its own pre-tokenizer. load_tokenizer (used by the
     trainer) must give back the tokenization the policy was trained with."""
-    from sinkflex_core.train import TrainConfig, load_tokenizer as trainer_tokenizer
+    from sinkflex_core.train import TrainConfig
+    from sinkflex_core.train import load_tokenizer as trainer_tokenizer
 
     build_model(tiny_qwen2_config(len(tok), hidden_size=64, num_layers=1, tokenizer=tok)).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
