@@ -50,8 +50,8 @@ class SFTConfig:
     vocab_size: int = 3072
     hidden_size: int = 128
     num_layers: int = 4
-    num_heads: int = 0  # 0: hidden_size // 64 (models.tiny_qwen2_config's rule)
-    num_kv_heads: int = 0  # 0: half the heads
+    num_heads: int = 4  # head dimension 32; 0: hidden_size // 64 (models.tiny_qwen2_config's rule)
+    num_kv_heads: int = 2  # 0: half the heads
     # -- the prompt and episode limits (use the GRPO run's values) --
     system_prompt: str | None = COMPACT_SYSTEM_PROMPT
     include_tools: bool = False
@@ -69,11 +69,11 @@ class SFTConfig:
     warmup_steps: int = 30
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    max_steps: int = 4000
-    max_minutes: float = 150.0
+    max_steps: int = 3000
+    max_minutes: float = 40.0
     schedule_steps: int = 0  # length of the cosine decay (0: max_steps)
     # -- early stopping --
-    eval_every: int = 100
+    eval_every: int = 500
     eval_samples: int = 1
     eval_temperature: float = 1.0
     stop_at_reward: float = 0.25  # <= 0: never stop early

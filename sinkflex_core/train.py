@@ -108,16 +108,16 @@ class TrainConfig:
 
     # -- batch and schedule --
     tasks_per_step: int = 8
-    group_size: int = 4
+    group_size: int = 8
     epochs: float = 3.0  # passes over the training tasks; sets the number of steps when steps == 0
     steps: int = 30
-    max_minutes: float = 15.0  # > 0: stop (with a final evaluation and checkpoint) once a step ends past this
+    max_minutes: float = 12.0  # > 0: stop (with a final evaluation and checkpoint) once a step ends past this
     ppo_epochs: int = 1
     num_minibatches: int = 2
     micro_batch_size: int = 8
 
     # -- optimisation --
-    lr: float = 1e-4
+    lr: float = 5e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -137,7 +137,7 @@ class TrainConfig:
     old_logprobs: str = "rollout"  # rollout: the sampling log-probs | recompute: the trainer's own
 
     # -- evaluation --
-    eval_every: int = 5  # steps; 0 = only before the first and after the last step
+    eval_every: int = 4  # steps; 0 = only before the first and after the last step
     eval_tasks: int = 60  # the first N tasks of eval_split; 0 = all
     eval_samples: int = 2  # samples per task; pass^k for k = 1..eval_samples
     eval_temperature: float = 1.0
