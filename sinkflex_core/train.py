@@ -1366,6 +1366,8 @@ class Trainer:
                     t1 = time.perf_counter()
                     row.update(self.evaluate())
                     row["eval_s"] = time.perf_counter() - t1
+                    # an evaluation that used up the budget is the final one: no further step and eval
+                    time_up = self.cfg.max_minutes > 0 and self._elapsed() >= 60 * self.cfg.max_minutes
                 row["step_s"] = time.perf_counter() - t0
                 row["elapsed_s"] = self._elapsed()
                 self._emit(row, bar)

@@ -182,3 +182,37 @@ def test_torchrun_two_processes_fsdp2_match_one_process(tokenizer_dir, tmp_path)
     assert (a["loss"].iloc[1:].abs() > 1e-3).all()  # a real, nonzero loss was compared
     for key in ("loss", "kl", "entropy", "grad_norm", "ratio_mean", "tokens_policy", "reward_mean"):
         pd.testing.assert_series_equal(a[key].iloc[1:], b[key].iloc[1:], rtol=1e-4, atol=1e-7, check_names=False)
+
+
+def test_time_budget_stops_after_the_evaluation_that_used_it_up(tokenizer_dir, tmp_path):
+    """max_minutes: a step that ends past the budget gets the final evaluation; an evaluation that
+    itself crosses the budget is the final one (no further step and second evaluation)."""
+    cfg = _cfg(tokenizer_dir, tmp_path / "t", steps=10, eval_every=2, save_every=0, max_minutes=125 / 60)
+    trainer = Trainer(cfg)
+    clock = {"t": 0.0}
+    evals = []
+
+    def fake_step():
+        clock["t"] += 10.0
+        trainer.step_idx += 1
+        return {"step": trainer.step_idx}
+
+    def fake_evaluate():
+        clock["t"] += 100.0
+        evals.append(trainer.step_idx)
+        return {"eval_reward": 0.0}
+
+    trainer.step, trainer.evaluate = fake_step, fake_evaluate
+    trainer._elapsed = lambda: clock["t"]
+    trainer.run()
+    # step 0 eval -> 100 s; step 1 -> 110 s; step 2 -> 120 s (< 125), its due eval -> 220 s: stop there
+    assert evals == [0, 2] and trainer.step_idx == 2
+    # a budget that a step (not an eval) crosses: step 3 ends at 230 s > 225 s -> final eval at step 3
+    trainer2 = Trainer(_cfg(tokenizer_dir, tmp_path / "u", steps=10, eval_every=2, save_every=0,
+                            max_minutes=225 / 60))
+    clock["t"], evals[:] = 0.0, []
+    trainer = trainer2
+    trainer2.step, trainer2.evaluate = fake_step, fake_evaluate
+    trainer2._elapsed = lambda: clock["t"]
+    trainer2.run()
+    assert evals == [0, 2, 3] and trainer2.step_idx == 3
