@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import json
 import platform
 import resource
@@ -208,7 +207,7 @@ def write_csv(args: argparse.Namespace, rows: list[dict]) -> None:
                             "peak_rss_gib": round(r["peak_gib"], 3), "above_inputs_gib": round(r["extra_gib"], 3),
                             "working_set_gib": round(r["work_gib"], 3), "seconds": round(r["seconds"], 2),
                             "cpu_seconds": round(r["cpu_seconds"], 2), "repeat": args.repeat, **prov})
-    print(f"written: {args.csv} ({datetime.date.today()})")
+    print(f"written: {args.csv}")
 
 
 if __name__ == "__main__":

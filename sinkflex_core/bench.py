@@ -202,20 +202,18 @@ def _unavailable_reason(case: Case, settings: Settings) -> str | None:
     """Why a case cannot run on this machine / in this checkout, or None if it can."""
     if case.attention == "flex" and settings.device == "cpu":
         return "FlexAttention has no backward on CPU (torch raises NotImplementedError)"
+    needed = []  # (module, function) the case calls
     if case.attention == "sinkflex":
-        try:
-            mod = importlib.import_module("sinkflex_core.attention")
-        except ImportError as err:
-            return f"sinkflex_core.attention not importable ({err})"
-        if not callable(getattr(mod, "apply", None)):
-            return "sinkflex_core.attention.apply is missing"
+        needed.append(("sinkflex_core.attention", "apply"))
     if case.logprobs == "chunked":
+        needed.append(("sinkflex_core.grpo", "token_logprobs"))
+    for module, name in needed:
         try:
-            mod = importlib.import_module("sinkflex_core.grpo")
+            mod = importlib.import_module(module)
         except ImportError as err:
-            return f"sinkflex_core.grpo not importable ({err})"
-        if not callable(getattr(mod, "token_logprobs", None)):
-            return "sinkflex_core.grpo.token_logprobs is missing"
+            return f"{module} not importable ({err})"
+        if not callable(getattr(mod, name, None)):
+            return f"{module}.{name} is missing"
     return None
 
 

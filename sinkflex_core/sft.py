@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .models import DEFAULT_VOCAB_SIZE
 from .train import COMPACT_SYSTEM_PROMPT, ConfigError, TokenLogprobs, _coerce_simple
 
 
@@ -47,7 +48,7 @@ class SFTConfig:
 
     seed: int = 0
     env_id: str = "sinkflex/Retail-v0"
-    vocab_size: int = 3072
+    vocab_size: int = DEFAULT_VOCAB_SIZE
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4  # head dimension 32; 0: hidden_size // 64 (models.tiny_qwen2_config's rule)

@@ -46,6 +46,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from .models import DEFAULT_VOCAB_SIZE
+
 # --------------------------------------------------------------------------------------------------
 # Configuration
 # --------------------------------------------------------------------------------------------------
@@ -74,7 +76,7 @@ class TrainConfig:
     # -- policy --
     model: str = "tiny"  # "tiny": a random Qwen2 from models.tiny_qwen2_config; else a local dir or hub id
     tokenizer: str = "auto"  # "auto": the model folder's tokenizer, or models.get_tokenizer for "tiny"
-    vocab_size: int = 3072  # tokenizer vocabulary of the tiny models (digit groups need ~2,600)
+    vocab_size: int = DEFAULT_VOCAB_SIZE  # tokenizer vocabulary of the tiny models
     hidden_size: int = 128  # tiny models only
     num_layers: int = 4  # tiny models only
     dtype: str = "float32"  # float32 | bfloat16 (parameters; optimizer math follows them)
@@ -1317,6 +1319,9 @@ class Trainer:
     def _elapsed(self) -> float:
         return self._elapsed_before + time.perf_counter() - self._t_start
 
+    def _time_up(self) -> bool:
+        return self.cfg.max_minutes > 0 and self._elapsed() >= 60 * self.cfg.max_minutes
+
     # -- the loop ------------------------------------------------------------------------------------
     def _save_run_info(self) -> None:
         if not self.dist.main:
@@ -1361,13 +1366,13 @@ class Trainer:
             while self.step_idx < self.total_steps and (max_steps is None or done < max_steps):
                 t0 = time.perf_counter()
                 row = self.step()
-                time_up = self.cfg.max_minutes > 0 and self._elapsed() >= 60 * self.cfg.max_minutes
+                time_up = self._time_up()
                 if self._eval_due(self.step_idx) or time_up:
                     t1 = time.perf_counter()
                     row.update(self.evaluate())
                     row["eval_s"] = time.perf_counter() - t1
                     # an evaluation that used up the budget is the final one: no further step and eval
-                    time_up = self.cfg.max_minutes > 0 and self._elapsed() >= 60 * self.cfg.max_minutes
+                    time_up = self._time_up()
                 row["step_s"] = time.perf_counter() - t0
                 row["elapsed_s"] = self._elapsed()
                 self._emit(row, bar)
