@@ -3,7 +3,9 @@ expert data), stopped early, as the starting point of GRPO.
 
     python -m sinkflex_core.sft --out-dir runs/sft --stop-at-reward 0.25
 
-The expert data are episodes played by :class:`sinkflex_core.envs.OracleAgent` through
+The expert data are episodes played by :class:`sinkflex_core.envs.OracleAgent` on the retail world's
+``"synthetic"`` split (10,000 tasks drawn over the training users, apart from the 600 GRPO tasks and
+from the test users) through
 :class:`sinkflex_core.rollout.AgentBackend`: the same conversations as
 :func:`sinkflex_core.envs.expert_conversation`, assembled token by token exactly as a policy rollout
 is (prompt, assistant turns with loss mask 1, environment replies with loss mask 0), so what the
@@ -17,7 +19,7 @@ conversation is the cheapest teacher of copying there is. Measured on the retail
 correctly 29 % of the time with the context loss and 15 % without it.
 
 Early stopping: every ``eval_every`` optimizer steps the policy plays held-out training tasks (the
-last ``val_tasks`` tasks of the split, never in the SFT data) with the rollout settings of the GRPO
+last ``val_tasks`` tasks of the ``"train"`` split, never in the SFT data) with the rollout settings of the GRPO
 run; training stops at the first evaluation whose mean reward reaches ``stop_at_reward`` (the paper's
 starting point is 0.25), or at ``max_steps`` / ``max_minutes``.
 """
@@ -60,8 +62,10 @@ class SFTConfig:
     max_total_tokens: int = 2048  # longer expert trajectories are cut here (the rollout would end there)
     max_new_tokens_per_turn: int = 128
     # -- data --
-    train_tasks: int = 0  # expert episodes from the first N training tasks (0: all but the validation ones)
-    val_tasks: int = 40  # the last N training tasks: held out, used for early stopping
+    expert_split: str = "synthetic"  # where the expert episodes come from: "synthetic" or "train"
+    train_tasks: int = 0  # expert episodes from the first N tasks of expert_split (0: all; for "train",
+    #                       all but the validation ones)
+    val_tasks: int = 40  # the last N tasks of the "train" split: never in the SFT data, for early stopping
     # -- optimisation --
     batch_tokens: int = 4096  # padded tokens per optimizer step
     lr: float = 2e-3
@@ -102,6 +106,8 @@ class SFTConfig:
             raise ConfigError(f"context_loss_weight must be a number >= 0, got {self.context_loss_weight}")
         if self.max_minutes <= 0:
             raise ConfigError(f"max_minutes must be > 0, got {self.max_minutes}")
+        if self.expert_split not in ("synthetic", "train"):
+            raise ConfigError(f"expert_split must be 'synthetic' or 'train', got {self.expert_split!r}")
         if self.eval_temperature < 0:
             raise ConfigError(f"eval_temperature must be >= 0, got {self.eval_temperature}")
 
@@ -137,13 +143,27 @@ def expert_examples(tokenizer, cfg: SFTConfig, task_indices: list[int], split: s
     rcfg = dataclasses.replace(cfg.rollout_config(), max_total_tokens=1 << 20, max_new_tokens_per_turn=4096,
                                max_turns=max(cfg.max_turns, 64))
     out = []
-    for i in range(0, len(task_indices), 50):
-        batch = collect_rollouts(AgentBackend(tokenizer), tokenizer, cfg.env_id, task_indices[i:i + 50], split, rcfg)
-        for row in range(len(batch)):
-            if float(batch.rewards[row]) < 1.0:  # keep only episodes the oracle solved
-                continue
-            n = min(int(batch.attention_mask[row].sum()), cfg.max_total_tokens)
-            out.append({"input_ids": batch.input_ids[row, :n].clone(), "loss_mask": batch.loss_mask[row, :n].clone()})
+    bar = None
+    if cfg.progress and len(task_indices) > 200:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(task_indices), desc=f"expert episodes ({split})", unit="task", dynamic_ncols=True,
+                   file=sys.stderr)
+    try:
+        for i in range(0, len(task_indices), 50):
+            chunk = task_indices[i:i + 50]
+            batch = collect_rollouts(AgentBackend(tokenizer), tokenizer, cfg.env_id, chunk, split, rcfg)
+            for row in range(len(batch)):
+                if float(batch.rewards[row]) < 1.0:  # keep only episodes the oracle solved
+                    continue
+                n = min(int(batch.attention_mask[row].sum()), cfg.max_total_tokens)
+                out.append({"input_ids": batch.input_ids[row, :n].clone(),
+                            "loss_mask": batch.loss_mask[row, :n].clone()})
+            if bar is not None:
+                bar.update(len(chunk))
+    finally:
+        if bar is not None:
+            bar.close()
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -255,11 +275,18 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     env.close()
     if cfg.val_tasks >= n_tasks:
         raise ConfigError(f"val_tasks ({cfg.val_tasks}) leaves no training task of {n_tasks}")
-    n_train = min(cfg.train_tasks or n_tasks - cfg.val_tasks, n_tasks - cfg.val_tasks)
     val_ids = list(range(n_tasks - cfg.val_tasks, n_tasks))
+    if cfg.expert_split == "train":
+        n_train = min(cfg.train_tasks or n_tasks - cfg.val_tasks, n_tasks - cfg.val_tasks)
+    else:
+        env = gym.make(cfg.env_id, split=cfg.expert_split)
+        n_available = env.unwrapped.num_tasks
+        env.close()
+        n_train = min(cfg.train_tasks or n_available, n_available)
 
     tokenizer = models.get_tokenizer(cfg.vocab_size)
-    data = expert_examples(tokenizer, cfg, list(range(n_train)), cache_dir=build_dir() / "sft_cache")
+    data = expert_examples(tokenizer, cfg, list(range(n_train)), split=cfg.expert_split,
+                           cache_dir=build_dir() / "sft_cache")
     if not data:
         raise RuntimeError("the oracle solved none of the training tasks: no expert data")
     mcfg = models.tiny_qwen2_config(vocab_size=max(cfg.vocab_size, len(tokenizer)), hidden_size=cfg.hidden_size,

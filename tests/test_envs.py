@@ -237,6 +237,26 @@ def test_tasks_cover_the_tools(world):
     assert get_tasks(0, "test") == tuple(generate_tasks(world.data, "test"))  # deterministic
 
 
+def test_synthetic_split_is_apart_from_train_and_test(world):
+    """The SFT expert data's split: training users only, a task stream of its own, one env interface."""
+    train, test, synthetic = (get_tasks(0, s) for s in ("train", "test", "synthetic"))
+    assert len(synthetic) == 10_000
+    users = {t["user_id"] for t in synthetic}
+    assert not users & {t["user_id"] for t in test}
+    assert len(users) >= 300 and users <= set(world.data.users)  # spread over the training users
+    same = sum(a["instruction"] == b["instruction"] for a, b in zip(train, synthetic))
+    assert same < 5, same  # an independent draw, not the train split again
+    assert synthetic[0]["task_id"].startswith("synthetic-")
+    env = gym.make("sinkflex/Retail-v0", split="synthetic")
+    obs, info = env.reset(options={"task_index": 9_999})
+    assert info["task"]["task_id"] == "synthetic-9999" and obs
+    env.close()
+    with pytest.raises(ValueError, match="synthetic"):
+        gym.make("sinkflex/Retail-v0", split="validation")
+    with pytest.raises(ValueError, match="'train', 'test'"):
+        generate_tasks(world.data, "dev")
+
+
 def test_ground_truth_replays_cleanly(world):
     for split in ("train", "test"):
         for task in get_tasks(0, split):

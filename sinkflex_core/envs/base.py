@@ -225,7 +225,9 @@ class ToolResult:
 
 @runtime_checkable
 class ToolBackend(Protocol):
-    """What an environment must provide; one class per world."""
+    """What an environment must provide; one class per world.
+
+    A backend may list its task splits in a ``splits`` attribute (default ``("train", "test")``)."""
 
     def num_tasks(self, split: str) -> int: ...
 
@@ -267,8 +269,9 @@ class ToolEnv(gym.Env):
 
     def __init__(self, backend: ToolBackend, split: str = "train", max_turns: int = 30,
                  render_mode: str | None = None):
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        splits = tuple(getattr(backend, "splits", ("train", "test")))
+        if split not in splits:
+            raise ValueError(f"split must be one of {splits}, got {split!r}")
         if not isinstance(max_turns, int) or max_turns < 1:
             raise ValueError(f"max_turns must be a positive int, got {max_turns!r}")
         if render_mode not in (None, "ansi"):

@@ -15,7 +15,7 @@ from importlib import resources
 
 from .base import ToolResult
 from .customer import Customer, ScriptedCustomer
-from .retail_tasks import get_tasks
+from .retail_tasks import SPLITS, get_tasks
 from .retail_tools import TOOL_SCHEMAS, RetailTools
 from .retail_world import RetailWorld, state_hash
 
@@ -58,8 +58,11 @@ class RetailBackend:
     """The store simulator behind ``sinkflex/Retail-v0``.
 
     ``customer_factory(task) -> Customer`` builds the customer of each episode (scripted by default;
-    an LLM-backed customer plugs in here).
+    an LLM-backed customer plugs in here). Splits: ``"train"`` (GRPO), ``"test"`` (held out, other
+    users) and ``"synthetic"`` (the training users again, a separate draw: SFT expert data).
     """
+
+    splits = SPLITS
 
     def __init__(self, world_seed: int = 0, customer_factory: Callable[[dict], Customer] = ScriptedCustomer):
         self.world = RetailWorld.get(world_seed)

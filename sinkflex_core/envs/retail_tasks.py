@@ -20,7 +20,9 @@ from .retail_world import CITIES, STREETS, WorldData
 
 N_TRAIN_TASKS = 600
 N_TEST_TASKS = 120
+N_SYNTHETIC_TASKS = 10_000
 N_TEST_USERS = 100
+SPLITS = ("train", "test", "synthetic")
 
 REASON_PHRASES = {"no longer needed": "I no longer need it", "ordered by mistake": "I ordered it by mistake"}
 WRITE_KINDS = ("cancel", "order_address", "user_address", "payment", "items", "return", "exchange")
@@ -349,10 +351,15 @@ def _instruction(persona: dict, by: str, requests: list[dict]) -> str:
 
 
 def generate_tasks(world: WorldData, split: str, n_tasks: int | None = None) -> list[dict]:
-    """The split's tasks, deterministic in the world's seed. Test tasks use a disjoint set of users."""
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    n_tasks = n_tasks or (N_TRAIN_TASKS if split == "train" else N_TEST_TASKS)
+    """The split's tasks, deterministic in the world's seed.
+
+    ``"train"`` (600 tasks, for GRPO) and ``"test"`` (120, held out) use disjoint sets of users.
+    ``"synthetic"`` (10,000) is a separate draw over the training users only, the supply of the oracle's
+    expert trajectories for SFT (the paper's synthetic expert data): it never shares a user with a
+    test task, and its task stream is independent of the ``"train"`` one."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    n_tasks = n_tasks or {"train": N_TRAIN_TASKS, "test": N_TEST_TASKS, "synthetic": N_SYNTHETIC_TASKS}[split]
     order_rng = random.Random(f"retail-users-{world.seed}")
     users = sorted(world.users)
     order_rng.shuffle(users)
