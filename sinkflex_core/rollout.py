@@ -350,6 +350,92 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
 
+# --------------------------------------------------------------------------------------------------
+# Generation internals of HFBackend: a KV cache that grows in place, and GQA attention without
+# expanding the cache
+# --------------------------------------------------------------------------------------------------
+
+ROLLOUT_SDPA = "sinkflex_rollout_sdpa"
+
+
+def _grouped_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                          is_causal: bool | None = None, **kwargs):
+    """transformers' SDPA attention, for inference with grouped-query attention, without copying the cache.
+
+    The stock path expands every KV head to its ``n_rep`` query heads (``repeat_kv``), a copy of the
+    whole cache per layer and per decoded token. Here the ``n_rep`` query heads that share a KV head
+    are stacked along the query axis instead ((B, H, q, d) -> (B, H_kv, n_rep * q, d), a view) and the
+    mask is repeated to match; each query row still sees exactly its own keys and mask row, so the
+    result is the same attention. Falls back to the stock function where this does not apply (no GQA,
+    a causal prefill without a mask, dropout, a per-head mask)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    B, H, q, d = query.shape
+    h_kv = key.shape[1]
+    rep = H // h_kv
+    if (rep == 1 or H != rep * h_kv or (attention_mask is None and q > 1) or dropout or torch.is_grad_enabled()
+            or kwargs.get("position_bias") is not None
+            or (attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[1] != 1))):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    mask = attention_mask
+    if mask is not None:
+        mask = mask[:, :, :, : key.shape[-2]]
+        if q > 1:  # stacked row r * q + t is query t of head r of the group
+            mask = mask.repeat(1, 1, rep, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(query.reshape(B, h_kv, rep * q, d), key, value,
+                                                           attn_mask=mask, scale=scaling)
+    return out.view(B, H, q, d).transpose(1, 2).contiguous(), None
+
+
+def _register_rollout_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(ROLLOUT_SDPA, _grouped_sdpa_forward)
+    AttentionMaskInterface.register(ROLLOUT_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+def _growing_cache(config):
+    """A ``DynamicCache`` whose full-attention layers write new keys/values into preallocated room
+    instead of concatenating (``torch.cat`` copies the whole layer cache at every decoded token)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        """Keys/values are views of buffers with spare columns, grown by half when full. The buffers
+        are re-adopted when something outside (HFBackend's row selection) assigns ``keys``."""
+
+        def lazy_initialization(self, key_states, value_states):
+            super().lazy_initialization(key_states, value_states)
+            self._kbuf = self._vbuf = None
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n, add = self.get_seq_length(), key_states.shape[-2]
+            adopted = self._kbuf is not None and self.keys.data_ptr() == self._kbuf.data_ptr() \
+                and self.keys.shape[0] == self._kbuf.shape[0]
+            if not adopted or n + add > self._kbuf.shape[-2]:
+                room = max(n + add + 64, int(1.5 * (n + add)))
+                B, h, _, d = key_states.shape
+                kbuf = key_states.new_empty((B, h, room, d))
+                vbuf = value_states.new_empty((B, h, room, value_states.shape[-1]))
+                if n:
+                    kbuf[:, :, :n] = self.keys
+                    vbuf[:, :, :n] = self.values
+                self._kbuf, self._vbuf = kbuf, vbuf
+            self._kbuf[:, :, n:n + add] = key_states
+            self._vbuf[:, :, n:n + add] = value_states
+            self.keys, self.values = self._kbuf[:, :, :n + add], self._vbuf[:, :, :n + add]
+            return self.keys, self.values
+
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
 class HFBackend:
     """Batched sampling with a transformers causal LM, keeping each episode's KV cache between turns.
 
@@ -361,10 +447,13 @@ class HFBackend:
     are dropped and all-padding columns squeezed out at the start of each turn.
 
     ``reuse_cache=False`` re-encodes each episode's whole history every turn (the baseline).
-    Deterministic on CPU for a given batch and seeds."""
+    The cache grows in preallocated room rather than by concatenation, and with a model on
+    transformers' ``"sdpa"`` attention, ``fast_attention`` (default) computes grouped-query attention
+    without expanding the cache (:func:`_grouped_sdpa_forward`; the same attention, within float
+    rounding). Deterministic on CPU for a given batch and seeds."""
 
     def __init__(self, model, tokenizer=None, stop_token_ids: Sequence[int] | None = None,
-                 pad_token_id: int | None = None, reuse_cache: bool = True):
+                 pad_token_id: int | None = None, reuse_cache: bool = True, fast_attention: bool = True):
         if stop_token_ids is None:
             if tokenizer is None or tokenizer.eos_token_id is None:
                 raise ValueError("HFBackend needs stop_token_ids or a tokenizer with an eos_token")
@@ -378,6 +467,7 @@ class HFBackend:
                 pad_token_id = min(self.stop_token_ids, default=0)
         self.pad_token_id = int(pad_token_id)
         self.reuse_cache = reuse_cache
+        self.fast_attention = fast_attention
         self.stats = {"prefill_tokens": 0, "generated_tokens": 0, "forward_calls": 0}
         self.release()
 
@@ -393,17 +483,25 @@ class HFBackend:
 
     def _forward(self, chunk: torch.Tensor, chunk_mask: torch.Tensor) -> torch.Tensor:
         """Feed (B, n) new columns; return the logits (B, V) at each row's last real new token."""
-        from transformers import DynamicCache
-
         if self._cache is None:
-            self._cache = DynamicCache(config=self.model.config)
+            self._cache = _growing_cache(self.model.config)
         past = self._mask
         n_before = past.sum(dim=1, keepdim=True) if past is not None else torch.zeros_like(chunk[:, :1])
         positions = (n_before + chunk_mask.cumsum(dim=1) - 1).clamp(min=0)
         full_mask = chunk_mask if past is None else torch.cat([past, chunk_mask], dim=1)
         decoder = self.model.get_decoder()
-        hidden = decoder(input_ids=chunk, attention_mask=full_mask, position_ids=positions,
-                         past_key_values=self._cache, use_cache=True).last_hidden_state
+        config = self.model.config
+        stock = getattr(config, "_attn_implementation", None)
+        fast = self.fast_attention and stock == "sdpa"
+        if fast:
+            _register_rollout_attention()
+            config._attn_implementation = ROLLOUT_SDPA
+        try:
+            hidden = decoder(input_ids=chunk, attention_mask=full_mask, position_ids=positions,
+                             past_key_values=self._cache, use_cache=True).last_hidden_state
+        finally:
+            if fast:
+                config._attn_implementation = stock
         last = (chunk_mask * torch.arange(chunk.shape[1], device=chunk.device)).argmax(dim=1)
         h = hidden[torch.arange(chunk.shape[0], device=chunk.device), last]
         self._mask = full_mask

@@ -311,3 +311,38 @@ def test_trajectory_html_colours_every_token_by_origin(tok):
     assert "&lt;|im_end|&gt;" in html and "<|im_end|>" not in html  # text is escaped
     full = trajectory_html(traj, tok, max_tokens=5, show_prompt=True)
     assert full.count('<span class="prompt"') == 5 and f"{len(traj) - 5} more tokens" in full
+
+
+def test_grouped_attention_and_growing_cache_match_the_stock_path(tok, model):
+    """The generation fast path (GQA without expanding the cache, a cache grown in place) computes the
+    same attention as transformers' SDPA and samples the same tokens as the stock path."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from sinkflex_core.rollout import _grouped_sdpa_forward
+
+    g = torch.Generator().manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    for q_len, S in [(1, 37), (5, 40)]:
+        q = torch.randn(2, 6, q_len, 16, generator=g)
+        k, v = torch.randn(2, 2, S, 16, generator=g), torch.randn(2, 2, S, 16, generator=g)
+        mask = torch.ones(2, 1, q_len, S, dtype=torch.bool).tril(S - q_len)
+        mask[1, :, :, 3:9] = False  # padding columns in the middle of a row
+        with torch.no_grad():
+            fast, _ = _grouped_sdpa_forward(module, q, k, v, mask, scaling=0.25)
+            ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+        assert fast.shape == ref.shape == (2, q_len, 6, 16)
+        torch.testing.assert_close(fast, ref, atol=1e-6, rtol=1e-5)
+    histories = {k: torch.randint(3, 2000, (n,), generator=g).tolist() for k, n in enumerate([30, 8, 19])}
+    fast_be, stock_be = HFBackend(model, tok), HFBackend(model, tok, fast_attention=False)
+    assert model.config.num_attention_heads > model.config.num_key_value_heads  # GQA is exercised
+    for turn in range(3):  # the cache grows past its spare room and loses a row on the way
+        reqs = [GenerationRequest(k, h, max_new_tokens=40, seed=10 * turn + k) for k, h in histories.items()]
+        results = fast_be.generate(reqs)
+        for a, b in zip(results, stock_be.generate(reqs)):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+        for k, res in zip(list(histories), results):
+            histories[k] = histories[k] + res.token_ids + torch.randint(3, 2000, (50,), generator=g).tolist()
+        histories.pop(1, None)
+    assert model.config._attn_implementation == "sdpa"  # restored after generation
