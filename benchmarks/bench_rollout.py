@@ -4,7 +4,9 @@ Prints:
 1. KV-cache reuse vs re-encoding the whole history every turn (HF backend), at 4 and 8 turns: a batch
    of episodes, each turn generating a fixed number of tokens then receiving a fixed-size environment
    reply (same work, same samples; the speed-up is the ratio of wall times in this run).
-2. Generated tokens/s and episodes/s for each backend on the same synthetic workload, and end to end
+2. The generation fast path of the HF backend against transformers' stock cache and attention
+   (same samples; ratio of times in this run).
+3. Generated tokens/s and episodes/s for each backend on the same synthetic workload, and end to end
    on the retail environment (collect_rollouts with a random tiny policy).
 
 Run: ``.venv/bin/python benchmarks/bench_rollout.py`` (HF only) or, with vLLM installed
@@ -100,6 +102,20 @@ def main() -> None:
         print(f"{turns:>5} {reuse['final_len']:>9} {fresh['seconds']:>11.2f} {reuse['seconds']:>8.2f} "
               f"{fresh['seconds'] / reuse['seconds']:>7.2f}x {fresh['cpu']:>15.2f} {reuse['cpu']:>11.2f} "
               f"{fresh['cpu'] / reuse['cpu']:>11.2f}x {str(same):>12}")
+
+    print("\n## Generation fast path (GQA without expanding the cache, cache grown in place) vs stock transformers")
+    print(f"{'turns':>5} {'final len':>9} {'stock s':>8} {'fast s':>7} {'speed-up':>8} {'stock cpu s':>11} "
+          f"{'fast cpu s':>10} {'cpu speed-up':>12} {'same samples':>12}")
+    long_prompt = prompt_len * 3  # the retail episodes' length: the cache, not the weights, dominates
+    for turns in turn_counts:
+        stock = synthetic_sessions(HFBackend(model, tok, stop_token_ids=[], fast_path=False), episodes, turns,
+                                   long_prompt, gen_len, reply_len, len(tok))
+        fast = synthetic_sessions(HFBackend(model, tok, stop_token_ids=[]), episodes, turns, long_prompt, gen_len,
+                                  reply_len, len(tok))
+        same = stock["samples"] == fast["samples"]
+        print(f"{turns:>5} {fast['final_len']:>9} {stock['seconds']:>8.2f} {fast['seconds']:>7.2f} "
+              f"{stock['seconds'] / fast['seconds']:>7.2f}x {stock['cpu']:>11.2f} {fast['cpu']:>10.2f} "
+              f"{stock['cpu'] / fast['cpu']:>11.2f}x {str(same):>12}")
 
     backends = {"hf": lambda: HFBackend(model, tok, stop_token_ids=[])}
     vllm_backend = None

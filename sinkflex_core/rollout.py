@@ -447,13 +447,14 @@ class HFBackend:
     are dropped and all-padding columns squeezed out at the start of each turn.
 
     ``reuse_cache=False`` re-encodes each episode's whole history every turn (the baseline).
-    The cache grows in preallocated room rather than by concatenation, and with a model on
-    transformers' ``"sdpa"`` attention, ``fast_attention`` (default) computes grouped-query attention
-    without expanding the cache (:func:`_grouped_sdpa_forward`; the same attention, within float
-    rounding). Deterministic on CPU for a given batch and seeds."""
+    ``fast_path`` (default): the cache grows in preallocated room rather than by concatenation, and
+    with a model on transformers' ``"sdpa"`` attention, grouped-query attention runs without expanding
+    the cache (:func:`_grouped_sdpa_forward`; the same attention, within float rounding).
+    ``fast_path=False`` uses transformers' stock ``DynamicCache`` and SDPA (the reference;
+    ``benchmarks/bench_rollout.py`` compares the two). Deterministic on CPU for a given batch and seeds."""
 
     def __init__(self, model, tokenizer=None, stop_token_ids: Sequence[int] | None = None,
-                 pad_token_id: int | None = None, reuse_cache: bool = True, fast_attention: bool = True):
+                 pad_token_id: int | None = None, reuse_cache: bool = True, fast_path: bool = True):
         if stop_token_ids is None:
             if tokenizer is None or tokenizer.eos_token_id is None:
                 raise ValueError("HFBackend needs stop_token_ids or a tokenizer with an eos_token")
@@ -467,7 +468,7 @@ class HFBackend:
                 pad_token_id = min(self.stop_token_ids, default=0)
         self.pad_token_id = int(pad_token_id)
         self.reuse_cache = reuse_cache
-        self.fast_attention = fast_attention
+        self.fast_path = fast_path
         self.stats = {"prefill_tokens": 0, "generated_tokens": 0, "forward_calls": 0}
         self.release()
 
@@ -484,7 +485,12 @@ class HFBackend:
     def _forward(self, chunk: torch.Tensor, chunk_mask: torch.Tensor) -> torch.Tensor:
         """Feed (B, n) new columns; return the logits (B, V) at each row's last real new token."""
         if self._cache is None:
-            self._cache = _growing_cache(self.model.config)
+            if self.fast_path:
+                self._cache = _growing_cache(self.model.config)
+            else:
+                from transformers import DynamicCache
+
+                self._cache = DynamicCache(config=self.model.config)
         past = self._mask
         n_before = past.sum(dim=1, keepdim=True) if past is not None else torch.zeros_like(chunk[:, :1])
         positions = (n_before + chunk_mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -492,7 +498,7 @@ class HFBackend:
         decoder = self.model.get_decoder()
         config = self.model.config
         stock = getattr(config, "_attn_implementation", None)
-        fast = self.fast_attention and stock == "sdpa"
+        fast = self.fast_path and stock == "sdpa"
         if fast:
             _register_rollout_attention()
             config._attn_implementation = ROLLOUT_SDPA

@@ -334,7 +334,7 @@ def test_grouped_attention_and_growing_cache_match_the_stock_path(tok, model):
         assert fast.shape == ref.shape == (2, q_len, 6, 16)
         torch.testing.assert_close(fast, ref, atol=1e-6, rtol=1e-5)
     histories = {k: torch.randint(3, 2000, (n,), generator=g).tolist() for k, n in enumerate([30, 8, 19])}
-    fast_be, stock_be = HFBackend(model, tok), HFBackend(model, tok, fast_attention=False)
+    fast_be, stock_be = HFBackend(model, tok), HFBackend(model, tok, fast_path=False)
     assert model.config.num_attention_heads > model.config.num_key_value_heads  # GQA is exercised
     for turn in range(3):  # the cache grows past its spare room and loses a row on the way
         reqs = [GenerationRequest(k, h, max_new_tokens=40, seed=10 * turn + k) for k, h in histories.items()]
