@@ -61,6 +61,7 @@ def write_sft_table(sft_dir: Path, hist: pd.DataFrame) -> None:
     mcfg, n_params = model.config, sum(p.numel() for p in model.parameters())
     table = hist.assign(run="sft", seed=cfg["seed"], peak_lr=cfg["lr"], hidden_size=mcfg.hidden_size,
                         num_layers=mcfg.num_hidden_layers, num_heads=mcfg.num_attention_heads, parameters=n_params,
+                        expert_split=cfg.get("expert_split", "train"), expert_tasks=cfg["train_tasks"] or "all",
                         batch_tokens=cfg["batch_tokens"], context_loss_weight=cfg["context_loss_weight"],
                         val_tasks=cfg["val_tasks"], eval_temperature=cfg["eval_temperature"], threads=cfg["threads"])
     for k, v in provenance().items():

@@ -133,3 +133,38 @@ def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path):
     model = train.load_model(tcfg, tok, torch.device("cpu"))
     same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), result.model.state_dict().values()))
     assert same and tok.get_vocab() == result.tokenizer.get_vocab()
+
+
+def test_expert_token_accuracy_counts_numbers_and_scores_a_model(tokenizer):
+    import re
+
+    cfg = sft.SFTConfig(**{**SMALL, "max_total_tokens": 1 << 16})
+    examples = sft.expert_examples(tokenizer, cfg, [0, 1, 2], split="synthetic")
+    numbers = digits = 0
+    for e in examples:
+        for span in _masked_spans(e["input_ids"], e["loss_mask"]):
+            text = tokenizer.decode(span)
+            numbers += len(re.findall(r"\d+", text))
+            digits += sum(-(-len(n) // 3) for n in re.findall(r"\d+", text))  # tokens: groups of up to three
+    model = build_model(tiny_qwen2_config(len(tokenizer), hidden_size=64, num_layers=2, tokenizer=tokenizer), seed=0)
+    acc = sft.expert_token_accuracy(model, tokenizer, examples)
+    assert acc["n_number_start"] == numbers > 0
+    assert acc["n_number_rest"] == digits - numbers
+    assert acc["n_other"] == sum(int(e["loss_mask"][1:].sum()) for e in examples) - digits
+    assert 0 <= acc["acc_other"] < 0.2  # an untrained model
+    # A model that predicts every next token (its logits look one step ahead) scores 1 everywhere.
+    class Oracle(torch.nn.Module):
+        def __init__(self, vocab):
+            super().__init__()
+            self.vocab, self.training = vocab, False
+            self.head = torch.nn.Linear(1, vocab)
+
+        def get_output_embeddings(self):
+            return self.head
+
+        def forward(self, input_ids, **kw):
+            nxt = torch.roll(input_ids, -1, dims=1)
+            return type("Out", (), {"logits": torch.nn.functional.one_hot(nxt, self.vocab).float()})()
+
+    perfect = sft.expert_token_accuracy(Oracle(len(tokenizer)), tokenizer, examples)
+    assert perfect["acc_number_start"] == perfect["acc_number_rest"] == perfect["acc_other"] == 1.0
