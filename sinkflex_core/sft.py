@@ -55,6 +55,8 @@ class SFTConfig:
     num_layers: int = 4
     num_heads: int = 4  # head dimension 32; 0: hidden_size // 64 (models.tiny_qwen2_config's rule)
     num_kv_heads: int = 2  # 0: half the heads
+    init_from: str = ""  # a saved policy folder (an earlier SFT run) to continue training; its shape and
+    #                      tokenizer replace the four fields above
     # -- the prompt and episode limits (use the GRPO run's values) --
     system_prompt: str | None = COMPACT_SYSTEM_PROMPT
     include_tools: bool = False
@@ -106,6 +108,8 @@ class SFTConfig:
             raise ConfigError(f"context_loss_weight must be a number >= 0, got {self.context_loss_weight}")
         if self.max_minutes <= 0:
             raise ConfigError(f"max_minutes must be > 0, got {self.max_minutes}")
+        if self.init_from and not (Path(self.init_from) / "config.json").is_file():
+            raise ConfigError(f"init_from must be a saved policy folder (with config.json), got {self.init_from!r}")
         if self.expert_split not in ("synthetic", "train"):
             raise ConfigError(f"expert_split must be 'synthetic' or 'train', got {self.expert_split!r}")
         if self.eval_temperature < 0:
@@ -325,16 +329,21 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
         env.close()
         n_train = min(cfg.train_tasks or n_available, n_available)
 
-    tokenizer = models.get_tokenizer(cfg.vocab_size)
+    tokenizer = models.load_tokenizer(cfg.init_from) if cfg.init_from else models.get_tokenizer(cfg.vocab_size)
     data = expert_examples(tokenizer, cfg, list(range(n_train)), split=cfg.expert_split,
                            cache_dir=build_dir() / "sft_cache")
     if not data:
         raise RuntimeError("the oracle solved none of the training tasks: no expert data")
-    mcfg = models.tiny_qwen2_config(vocab_size=max(cfg.vocab_size, len(tokenizer)), hidden_size=cfg.hidden_size,
-                                    num_layers=cfg.num_layers, num_heads=cfg.num_heads or None,
-                                    num_kv_heads=cfg.num_kv_heads or None, tokenizer=tokenizer)
-    mcfg._attn_implementation = "sdpa"
-    model = models.build_model(mcfg, seed=cfg.seed).train()
+    if cfg.init_from:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(cfg.init_from, attn_implementation="sdpa").train()
+    else:
+        mcfg = models.tiny_qwen2_config(vocab_size=max(cfg.vocab_size, len(tokenizer)), hidden_size=cfg.hidden_size,
+                                        num_layers=cfg.num_layers, num_heads=cfg.num_heads or None,
+                                        num_kv_heads=cfg.num_kv_heads or None, tokenizer=tokenizer)
+        mcfg._attn_implementation = "sdpa"
+        model = models.build_model(mcfg, seed=cfg.seed).train()
     policy = TokenLogprobs(model)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     horizon = cfg.schedule_steps or cfg.max_steps

@@ -106,6 +106,8 @@ def test_context_loss_weighs_expert_tokens_one_and_other_real_tokens_w(tokenizer
         torch.testing.assert_close(sft.sft_loss(policy, batch2, w)[0], mixed)
     with pytest.raises(train.ConfigError, match="context_loss_weight"):
         sft.SFTConfig(context_loss_weight=-1).validate()
+    with pytest.raises(train.ConfigError, match="init_from"):
+        sft.SFTConfig(init_from="no/such/folder").validate()
 
 
 @pytest.mark.slow
@@ -133,6 +135,10 @@ def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path):
     model = train.load_model(tcfg, tok, torch.device("cpu"))
     same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), result.model.state_dict().values()))
     assert same and tok.get_vocab() == result.tokenizer.get_vocab()
+    # init_from continues from the saved policy: its first evaluation starts from the trained loss
+    more = sft.train_sft(sft.SFTConfig(**{**cfg.__dict__, "init_from": str(tmp_path / "sft"), "max_steps": 2,
+                                          "eval_every": 2, "hidden_size": 32, "out_dir": str(tmp_path / "sft2")}))
+    assert more.model.config.hidden_size == 64 and more.history[0]["loss"] < 0.6 * np.log(DEFAULT_VOCAB_SIZE)
 
 
 def test_expert_token_accuracy_counts_numbers_and_scores_a_model(tokenizer):
