@@ -72,6 +72,7 @@ class SFTConfig:
     batch_tokens: int = 4096  # padded tokens per optimizer step
     lr: float = 2e-3
     context_loss_weight: float = 1.0  # weight of the loss on non-expert tokens (0: classic SFT)
+    copy_fraction: float = 0.0  # share of each batch's rows that are copy drills (add_copy_rows); 0: none
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
     weight_decay: float = 0.01
@@ -108,6 +109,8 @@ class SFTConfig:
             raise ConfigError(f"context_loss_weight must be a number >= 0, got {self.context_loss_weight}")
         if self.max_minutes <= 0:
             raise ConfigError(f"max_minutes must be > 0, got {self.max_minutes}")
+        if not 0 <= self.copy_fraction < 1:
+            raise ConfigError(f"copy_fraction must be in [0, 1), got {self.copy_fraction}")
         if self.init_from and not (Path(self.init_from) / "config.json").is_file():
             raise ConfigError(f"init_from must be a saved policy folder (with config.json), got {self.init_from!r}")
         if self.expert_split not in ("synthetic", "train"):
@@ -218,9 +221,40 @@ def sft_loss(policy: TokenLogprobs, batch: dict[str, torch.Tensor],
     mask = batch["loss_mask"]
     real = batch["attention_mask"].to(mask.dtype)
     weight = (mask + context_weight * (1 - mask) * real) if context_weight else mask.clone()
+    copy_rows = batch.get("copy_rows")
+    if copy_rows is not None and copy_rows.any():  # copy drills: only the repeats are scored
+        weight[copy_rows] = mask[copy_rows]
+        mask = mask[~copy_rows]
     weight[:, 0] = 0
     n = int(mask.sum())
     return -(logp * weight).sum() / weight.sum().clamp(min=1), n
+
+
+def add_copy_rows(batch: dict[str, torch.Tensor], fraction: float, token_ids: torch.Tensor,
+                  rng: np.random.Generator) -> dict[str, torch.Tensor]:
+    """``batch`` with copy drills appended: rows made of a random segment of ``token_ids`` (8 tokens
+    to half the row) repeated to the batch's length, scored only on the repeats, which nothing but
+    copying from the context can predict. About ``fraction`` of the rows are drills (at least one).
+
+    A pretrained LLM arrives with induction heads (attend to what followed the previous occurrence
+    of the current tokens, copy it); a tiny model trained from scratch on a few thousand
+    conversations does not form them, and then cannot continue an id it has started to copy. Drills
+    like these are the classic way to make them form quickly."""
+    B, L = batch["input_ids"].shape
+    n = max(1, round(B * fraction / (1 - fraction)))
+    ids = torch.empty((n, L), dtype=torch.long)
+    mask = torch.zeros((n, L), dtype=batch["loss_mask"].dtype)
+    for r in range(n):
+        m = int(rng.integers(8, max(9, L // 2) + 1))
+        segment = token_ids[torch.from_numpy(rng.integers(0, len(token_ids), m))]
+        ids[r] = segment.repeat(-(-L // m))[:L]
+        mask[r, m:] = 1
+    out = {"input_ids": torch.cat([batch["input_ids"], ids]),
+           "attention_mask": torch.cat([batch["attention_mask"], torch.ones_like(ids)]),
+           "loss_mask": torch.cat([batch["loss_mask"], mask]),
+           "position_ids": torch.cat([batch["position_ids"], torch.arange(L).expand(n, L)])}
+    out["copy_rows"] = torch.arange(B + n) >= B
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -354,6 +388,8 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
         done = min(1.0, (step - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps))
         return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done)))
 
+    special = set(tokenizer.all_special_ids)
+    copy_tokens = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
     out_dir = Path(cfg.out_dir) if save else None
     history: list[dict] = []
     lengths = [len(e["input_ids"]) for e in data]
@@ -371,6 +407,8 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
         while not done:
             for idx in length_batches(lengths, cfg.batch_tokens, rng):
                 batch = collate([data[i] for i in idx], pad)
+                if cfg.copy_fraction:
+                    batch = add_copy_rows(batch, cfg.copy_fraction, copy_tokens, rng)
                 for g in opt.param_groups:
                     g["lr"] = lr_at(step)
                 loss, n = sft_loss(policy, batch, cfg.context_loss_weight)

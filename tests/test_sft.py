@@ -174,3 +174,27 @@ def test_expert_token_accuracy_counts_numbers_and_scores_a_model(tokenizer):
 
     perfect = sft.expert_token_accuracy(Oracle(len(tokenizer)), tokenizer, examples)
     assert perfect["acc_number_start"] == perfect["acc_number_rest"] == perfect["acc_other"] == 1.0
+
+
+def test_copy_drills_repeat_a_segment_and_score_only_the_repeats():
+    examples = [{"input_ids": torch.arange(3, 3 + n), "loss_mask": (torch.arange(n) % 2).long()} for n in (40, 25)]
+    batch = sft.collate(examples, pad_id=0)
+    out = sft.add_copy_rows(batch, 0.5, torch.arange(5, 300), np.random.default_rng(0))
+    assert out["input_ids"].shape == (4, 40) and out["copy_rows"].tolist() == [False, False, True, True]
+    assert torch.equal(out["input_ids"][:2], batch["input_ids"])
+    for row in range(2, 4):
+        ids, mask = out["input_ids"][row], out["loss_mask"][row]
+        m = int((mask == 0).sum())  # the segment: unscored; everything after it repeats it
+        assert 8 <= m <= 20 and mask[m:].eq(1).all()
+        assert torch.equal(ids[m:], ids[:40 - m]) and ((ids >= 5) & (ids < 300)).all()
+    assert out["attention_mask"][2:].eq(1).all() and torch.equal(out["position_ids"][3], torch.arange(40))
+    # The loss weighs the drills' repeats only, and the expert-token count is the episodes' alone.
+    logp = torch.randn(4, 40)
+    policy = lambda ids, att, pos: (logp, None)  # noqa: E731
+    loss, n = sft.sft_loss(policy, out, context_weight=1.0)
+    assert n == int(batch["loss_mask"].sum())
+    w = torch.cat([batch["attention_mask"].float(), out["loss_mask"][2:]])
+    w[:, 0] = 0
+    torch.testing.assert_close(loss, -(logp * w).sum() / w.sum())
+    with pytest.raises(train.ConfigError, match="copy_fraction"):
+        sft.SFTConfig(copy_fraction=1.0).validate()
