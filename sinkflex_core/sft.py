@@ -4,8 +4,8 @@ expert data), stopped early, as the starting point of GRPO.
     python -m sinkflex_core.sft --out-dir runs/sft --stop-at-reward 0.25
 
 The expert data are episodes played by :class:`sinkflex_core.envs.OracleAgent` on the retail world's
-``"synthetic"`` split (10,000 tasks drawn over the training users, apart from the 600 GRPO tasks and
-from the test users) through
+training tasks (all but the validation ones; ``expert_split="synthetic"`` draws them instead from
+10,000 tasks over the same training users, apart from the 600 GRPO tasks) through
 :class:`sinkflex_core.rollout.AgentBackend`: the same conversations as
 :func:`sinkflex_core.envs.expert_conversation`, assembled token by token exactly as a policy rollout
 is (prompt, assistant turns with loss mask 1, environment replies with loss mask 0), so what the
@@ -20,12 +20,13 @@ correctly 29 % of the time with the context loss and 15 % without it.
 
 What the tiny model still cannot do, measured with :func:`expert_token_accuracy` on the oracle's
 episodes of 60 test tasks (users never seen in training; teacher-forced, greedy): hidden 128, 4 layers,
-one thread, 40 minutes. Trained on the 560 training tasks' episodes (best validation step 1,500): the
+one thread, about 40 minutes. Trained on the 560 training tasks' episodes (best validation step 1,500): the
 first token of a number (which id to copy) 5.3 % right, the following tokens of a number 23 %,
 every other expert token 97 %; test reward (60 tasks x 2, temperature 1) 0.017. Trained on the
 10,000 synthetic tasks (best step 1,500 of 2,501): 6.1 %, 26 %, 97 %; test reward 0.025. On the
 validation tasks (users seen in training) the first run scores 12 % / 69 %: it memorised users
-rather than learning to copy. Copy drills (``copy_fraction`` 0.25, :func:`add_copy_rows`) did not
+rather than learning to copy; the synthetic split removes that memorisation without teaching copying,
+so the default stays with the training tasks (the start the recorded curve used). Copy drills (``copy_fraction`` 0.25, :func:`add_copy_rows`) did not
 change this at 900 steps (5.3 % / 27 % against 5.6 % / 24 % without). Copying from the context is the
 limit of this recipe; see ``notebooks/05_grpo_training.ipynb``.
 
@@ -75,7 +76,7 @@ class SFTConfig:
     max_total_tokens: int = 2048  # longer expert trajectories are cut here (the rollout would end there)
     max_new_tokens_per_turn: int = 128
     # -- data --
-    expert_split: str = "synthetic"  # where the expert episodes come from: "synthetic" or "train"
+    expert_split: str = "train"  # where the expert episodes come from: "train" or "synthetic" (10,000 tasks)
     train_tasks: int = 0  # expert episodes from the first N tasks of expert_split (0: all; for "train",
     #                       all but the validation ones)
     val_tasks: int = 40  # the last N tasks of the "train" split: never in the SFT data, for early stopping
