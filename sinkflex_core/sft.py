@@ -25,8 +25,8 @@ first token of a number (which id to copy) 5.3 % right, the following tokens of 
 every other expert token 97 %; test reward (60 tasks x 2, temperature 1) 0.017. Trained on the
 10,000 synthetic tasks (best step 1,500 of 2,501): 6.1 %, 26 %, 97 %; test reward 0.025. On the
 validation tasks (users seen in training) the first run scores 12 % / 69 %: it memorised users
-rather than learning to copy; the synthetic split removes that memorisation without teaching copying,
-so the default stays with the training tasks (the start the recorded curve used). Copy drills (``copy_fraction`` 0.25, :func:`add_copy_rows`) did not
+rather than learning to copy; 18 times as many distinct episodes (the synthetic split) did not teach
+copying either, so the default stays with the training tasks (the start the recorded curve used). Copy drills (``copy_fraction`` 0.25, :func:`add_copy_rows`) did not
 change this at 900 steps (5.3 % / 27 % against 5.6 % / 24 % without). Copying from the context is the
 limit of this recipe; see ``notebooks/05_grpo_training.ipynb``.
 
