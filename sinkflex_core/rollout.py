@@ -28,6 +28,7 @@ sampled from: ``log_softmax(top_p_filter(logits / temperature))`` (``log_softmax
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import tempfile
@@ -389,7 +390,9 @@ def _grouped_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value:
     return out.view(B, H, q, d).transpose(1, 2).contiguous(), None
 
 
+@functools.cache
 def _register_rollout_attention() -> None:
+    """Register :func:`_grouped_sdpa_forward` with transformers (once per process)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 

@@ -361,18 +361,21 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
-    env = gym.make(cfg.env_id, split="train")
-    n_tasks = env.unwrapped.num_tasks
-    env.close()
+    def num_tasks(split: str) -> int:
+        env = gym.make(cfg.env_id, split=split)
+        try:
+            return env.unwrapped.num_tasks
+        finally:
+            env.close()
+
+    n_tasks = num_tasks("train")
     if cfg.val_tasks >= n_tasks:
         raise ConfigError(f"val_tasks ({cfg.val_tasks}) leaves no training task of {n_tasks}")
     val_ids = list(range(n_tasks - cfg.val_tasks, n_tasks))
     if cfg.expert_split == "train":
         n_train = min(cfg.train_tasks or n_tasks - cfg.val_tasks, n_tasks - cfg.val_tasks)
     else:
-        env = gym.make(cfg.env_id, split=cfg.expert_split)
-        n_available = env.unwrapped.num_tasks
-        env.close()
+        n_available = num_tasks(cfg.expert_split)
         n_train = min(cfg.train_tasks or n_available, n_available)
 
     tokenizer = models.load_tokenizer(cfg.init_from) if cfg.init_from else models.get_tokenizer(cfg.vocab_size)
