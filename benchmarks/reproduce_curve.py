@@ -35,6 +35,7 @@ def run_sft(sft_dir: Path, smoke: bool, threads: int) -> Path:
     if smoke:
         cfg.hidden_size, cfg.num_layers, cfg.max_steps, cfg.eval_every = 64, 2, 4, 2
         cfg.train_tasks, cfg.val_tasks, cfg.batch_tokens, cfg.stop_at_reward = 12, 4, 4096, 0.0
+        cfg.copy_warmup_steps, cfg.copy_warmup_length = 4, 64
     done = sft_dir / "sft_config.json"
     if done.is_file() and (sft_dir / "model.safetensors").is_file():
         saved = json.loads(done.read_text())

@@ -84,10 +84,11 @@ class SFTConfig:
     batch_tokens: int = 4096  # padded tokens per optimizer step
     lr: float = 2e-3
     context_loss_weight: float = 1.0  # weight of the loss on non-expert tokens (0: classic SFT)
-    copy_fraction: float = 0.0  # share of each batch's rows that are copy drills (add_copy_rows); 0: none
-    previous_token_heads: bool = False  # start layer 0's first KV group as previous-token heads
-    #                                     (models.init_previous_token_heads); new models only
-    copy_warmup_steps: int = 0  # optimizer steps on copy drills alone (batch_tokens each) before the SFT
+    copy_fraction: float = 0.1  # share of each batch's rows that are copy drills (add_copy_rows); 0: none
+    # the next three apply to a new model only (skipped with init_from)
+    previous_token_heads: bool = True  # start layer 0's first KV group as previous-token heads
+    #                                    (models.init_previous_token_heads)
+    copy_warmup_steps: int = 800  # optimizer steps on copy drills alone (batch_tokens each) before the SFT
     copy_warmup_length: int = 128  # tokens per drill row in that warm-up
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
@@ -127,8 +128,6 @@ class SFTConfig:
             raise ConfigError(f"max_minutes must be > 0, got {self.max_minutes}")
         if not 0 <= self.copy_fraction < 1:
             raise ConfigError(f"copy_fraction must be in [0, 1), got {self.copy_fraction}")
-        if self.previous_token_heads and self.init_from:
-            raise ConfigError("previous_token_heads initialises a new model; it cannot be combined with init_from")
         if self.init_from and not (Path(self.init_from) / "config.json").is_file():
             raise ConfigError(f"init_from must be a saved policy folder (with config.json), got {self.init_from!r}")
         if self.copy_warmup_length < 16 or self.copy_warmup_length > self.batch_tokens:
@@ -457,7 +456,7 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     policy = TokenLogprobs(model)
     special = set(tokenizer.all_special_ids)
     copy_tokens = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
-    if cfg.copy_warmup_steps:
+    if cfg.copy_warmup_steps and not cfg.init_from:
         losses = copy_warmup(policy, cfg, copy_tokens, rng)
         tail = losses[-min(len(losses), 20):]
         print(f"sft: copy warm-up {len(losses)} steps, loss {losses[0]:.3f} -> {sum(tail) / len(tail):.3f} "
