@@ -359,9 +359,11 @@ def init_previous_token_heads(model, layer: int = 0, kv_head: int = 0, offsets=(
 
     Why: copying an id from the context needs an induction circuit (a previous-token head, then a
     head that matches the current token against what preceded each earlier token). A tiny model
-    trained from scratch has to discover both at once and sits on a long loss plateau; measured on
-    pure copy drills (hidden 128, 4 layers, 3,000-token alphabet), it had not left the plateau after
-    1,400 steps, and with this initialisation it copied 95 % of tokens after 1,000."""
+    trained from scratch has to discover both at once and sits on a long loss plateau. Measured once
+    on pure copy drills (hidden 128, 4 layers, tokens drawn from 3,000 ids, 32 rows of 128 tokens,
+    lr 2e-3): from random weights the loss was still 7.8 (ln 3000 = 8.0) after 1,400 steps; with this
+    initialisation it left the plateau at step ~400 and predicted 95 % of the repeats at step 1,000.
+    ``tests/test_sft.py`` checks the same contrast on a smaller model."""
     import torch
 
     cfg = model.config
