@@ -35,7 +35,7 @@ def run_arm(previous_heads: bool, args) -> list[dict]:
     model = build_model(cfg, seed=args.seed)
     t0 = time.perf_counter()
     if previous_heads:
-        mins = init_previous_token_heads(model, n_pos=args.length)
+        mins = init_previous_token_heads(model, n_pos=args.fit_positions)
         print(f"previous-token heads: smallest attention on the target position {min(mins):.3f} "
               f"({time.perf_counter() - t0:.0f} s to fit)")
     model.train()
@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--fit-positions", type=int, default=2048,
+                   help="positions the previous-token biases are fitted over (the SFT uses max_total_tokens, 2048)")
+    p.add_argument("--arms", choices=("both", "random", "heads"), default="both")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--csv", default=None, help="write every printed row, with provenance, to this file")
@@ -82,9 +85,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"copy drills: {args.rows} rows x {args.length} tokens from {args.alphabet} ids; lr {args.lr}; "
           f"hidden {args.hidden}, {args.layers} layers; {torch.get_num_threads()} threads; "
           f"chance level: loss ln({args.alphabet}) = {np.log(args.alphabet):.2f}")
-    rows = run_arm(False, args) + run_arm(True, args)
+    rows = (run_arm(False, args) if args.arms != "heads" else []) + (run_arm(True, args) if args.arms != "random" else [])
     for arm in ("random_init", "previous_token_heads"):
         mine = [r for r in rows if r["arm"] == arm]
+        if not mine:
+            continue
         first = next((r["step"] for r in mine if r["copy_accuracy"] >= 0.5), None)
         print(f"{arm:>20}: final loss {mine[-1]['loss']:.3f}, copied {mine[-1]['copy_accuracy']:.1%}; "
               f"first >= 50 % at step {first if first else f'> {args.steps}'}")
@@ -92,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         from sinkflex_core.provenance import provenance
 
         prov = provenance(seed=args.seed, threads=torch.get_num_threads(), rows=args.rows, length=args.length,
-                          alphabet=args.alphabet, hidden=args.hidden, layers=args.layers, lr=args.lr)
+                          alphabet=args.alphabet, hidden=args.hidden, layers=args.layers, lr=args.lr,
+                          fit_positions=args.fit_positions)
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]) + list(prov))
             w.writeheader()
