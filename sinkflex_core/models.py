@@ -359,11 +359,14 @@ def init_previous_token_heads(model, layer: int = 0, kv_head: int = 0, offsets=(
 
     Why: copying an id from the context needs an induction circuit (a previous-token head, then a
     head that matches the current token against what preceded each earlier token). A tiny model
-    trained from scratch has to discover both at once and sits on a long loss plateau. Measured once
-    on pure copy drills (hidden 128, 4 layers, tokens drawn from 3,000 ids, 32 rows of 128 tokens,
-    lr 2e-3): from random weights the loss was still 7.8 (ln 3000 = 8.0) after 1,400 steps; with this
-    initialisation it left the plateau at step ~400 and predicted 95 % of the repeats at step 1,000.
-    ``tests/test_sft.py`` checks the same contrast on a smaller model."""
+    trained from scratch has to discover both at once and sits on a loss plateau first. How much these
+    heads shorten it depends on the settings, measured on pure copy drills (hidden 128, 4 layers,
+    tokens from 3,000 ids, 32 rows of 128 tokens, lr 2e-3, 2 threads): with AdamW betas (0.9, 0.999),
+    one run each, random weights were still at loss 7.8 (ln 3000 = 8.0) after 1,400 steps while this
+    initialisation left the plateau near step 400 and predicted 95 % of the repeats at step 1,000;
+    with betas (0.9, 0.95) (``benchmarks/bench_copy_plateau.py``, biases fitted over 128 positions)
+    both left it near step 950 (``data/copy_plateau_fit128.csv``). ``tests/test_sft.py`` checks
+    the contrast on a smaller model."""
     import torch
 
     cfg = model.config

@@ -30,7 +30,9 @@ on every other expert token. Neither 18 times as many distinct episodes (``exper
 27 %) changed that. So by default the new model starts with previous-token heads
 (``previous_token_heads``: :func:`sinkflex_core.models.init_previous_token_heads`), learns to copy on
 drills alone for ``copy_warmup_steps`` (loss 8.06 -> 0.34 in 800 steps), then trains on the expert
-episodes with 10 % drills kept in the batches. Measured with two threads (38 minutes after the
+episodes with 10 % drills kept in the batches. Which of the two first ingredients matters most was
+not separated: on drills alone the heads' head start depended on the optimizer settings (see
+:func:`sinkflex_core.models.init_previous_token_heads`). Measured with two threads (38 minutes after the
 warm-up, 2,321 steps, best validation step: the last): 68 % / 91 % / 98 % on the same 60 test tasks,
 and the same on validation tasks (67 % / 92 %): it copies, and no longer memorises users. The number
 starts it still misses are those that are not copies of an earlier occurrence with the same
