@@ -7,8 +7,8 @@ random segment of 8 to 64 token ids, repeated to 128 tokens, scored on the repea
 constant learning rate. Prints, every ``--every`` steps, each arm's loss and the share of repeated
 tokens it predicts (greedy) on that step's batch, and the step where each first reaches 50 %.
 
-    python benchmarks/bench_copy_plateau.py                    # 1,000 steps per arm, ~15 min on 2 cores
-    python benchmarks/bench_copy_plateau.py --csv data/copy_plateau.csv
+    python benchmarks/bench_copy_plateau.py                    # 1,000 steps per arm, ~18 min on 2 cores
+    python benchmarks/bench_copy_plateau.py --fit-positions 128 --csv data/copy_plateau_fit128.csv
     python benchmarks/bench_copy_plateau.py --steps 50 --every 10   # smoke run
 """
 

@@ -352,7 +352,7 @@ def previous_token_biases(config, offsets=(1, 2), n_pos: int = 2048, steps: int 
 
 def init_previous_token_heads(model, layer: int = 0, kv_head: int = 0, offsets=(1, 2), n_pos: int = 2048,
                               steps: int = 300) -> list[float]:
-    """Turn the query heads of one KV group of ``layer`` into previous-token heads: head ``n`` of
+    """In a ``Qwen2ForCausalLM``, turn the query heads of one KV group of ``layer`` into previous-token heads: head ``n`` of
     the group attends to the token ``offsets[n]`` positions back, whatever the tokens are (zero
     query/key weights, biases from :func:`previous_token_biases`); values and output stay as they
     are. Returns the smallest attention on the target position, per head.
@@ -370,7 +370,6 @@ def init_previous_token_heads(model, layer: int = 0, kv_head: int = 0, offsets=(
     import torch
 
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     if not 0 <= layer < cfg.num_hidden_layers:
         raise ValueError(f"layer must be in [0, {cfg.num_hidden_layers}), got {layer}")
@@ -378,10 +377,11 @@ def init_previous_token_heads(model, layer: int = 0, kv_head: int = 0, offsets=(
         raise ValueError(f"kv_head must be in [0, {cfg.num_key_value_heads}), got {kv_head}")
     if len(offsets) > group:
         raise ValueError(f"{len(offsets)} offsets but a KV group has {group} query heads")
-    attn = _causal_backbone(model).layers[layer].self_attn
+    attn = model.model.layers[layer].self_attn
     if attn.q_proj.bias is None or attn.k_proj.bias is None:
         raise ValueError("the model's query/key projections have no biases (Qwen2's have)")
     bq, bk, attention = previous_token_biases(cfg, offsets, n_pos=n_pos, steps=steps)
+    head_dim = bk.shape[0]
     with torch.no_grad():
         for n in range(len(offsets)):
             h = kv_head * group + n
@@ -390,10 +390,6 @@ def init_previous_token_heads(model, layer: int = 0, kv_head: int = 0, offsets=(
         attn.k_proj.weight[kv_head * head_dim:(kv_head + 1) * head_dim] = 0
         attn.k_proj.bias[kv_head * head_dim:(kv_head + 1) * head_dim] = bk.to(attn.k_proj.bias.dtype)
     return attention
-
-
-def _causal_backbone(model):
-    return model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
 
 
 def count_parameters(model) -> int:
