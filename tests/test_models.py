@@ -71,6 +71,24 @@ def test_retail_text_round_trips_and_is_compact(tok):
     assert tok.tokenize("$63.64")[-3:] == ["63", ".", "64"]
 
 
+def test_a_value_is_the_same_tokens_in_a_sentence_and_in_a_tool_call(tok):
+    # A policy copies a customer's name, city or zip into a call token by token; with GPT-2's rule
+    # " Green" (after a space) and "Green" (after a quote) would be different ids.
+    def span(text: str, value: str) -> list[str] | None:
+        """The tokens of ``text`` that decode to exactly ``value``, if there are such."""
+        toks = tok.tokenize(text)
+        for i in range(len(toks)):
+            for j in range(i + 1, len(toks) + 1):
+                if tok.convert_tokens_to_string(toks[i:j]) == value:
+                    return toks[i:j]
+        return None
+
+    for value in ("Anya", "Green", "Miami", "Apt 30", "Oak Street", "92181", "lucia.khan5974@example.com"):
+        sentence = span(f"I am {value}, thanks.", value)
+        call = span(f'{{"value": "{value}"}}', value)
+        assert sentence is not None and sentence == call, (value, sentence, call)
+
+
 def test_every_group_of_up_to_three_digits_is_one_token(tok):
     groups = [f"{i:0{w}d}" for w in (1, 2, 3) for i in range(10**w)]
     assert len(groups) == 1110
