@@ -96,6 +96,7 @@ class SFTConfig:
     lr: float = 2e-3
     context_loss_weight: float = 1.0  # weight of the loss on non-expert tokens (0: classic SFT)
     copy_fraction: float = 0.1  # share of each batch's rows that are copy drills (add_copy_rows); 0: none
+    swap_names: float = 0.0  # share of the expert episodes whose people and places are renamed (swap_names)
     # the next three apply to a new model only (skipped with init_from)
     previous_token_heads: bool = True  # start layer 0's first KV group as previous-token heads
     #                                    (models.init_previous_token_heads)
@@ -139,6 +140,8 @@ class SFTConfig:
             raise ConfigError(f"max_minutes must be > 0, got {self.max_minutes}")
         if not 0 <= self.copy_fraction < 1:
             raise ConfigError(f"copy_fraction must be in [0, 1), got {self.copy_fraction}")
+        if not 0 <= self.swap_names <= 1:
+            raise ConfigError(f"swap_names must be in [0, 1], got {self.swap_names}")
         if self.init_from and not (Path(self.init_from) / "config.json").is_file():
             raise ConfigError(f"init_from must be a saved policy folder (with config.json), got {self.init_from!r}")
         if self.copy_warmup_length < 16 or self.copy_warmup_length > self.batch_tokens:
@@ -303,6 +306,73 @@ def add_copy_rows(batch: dict[str, torch.Tensor], fraction: float, token_ids: to
            "position_ids": torch.cat([batch["position_ids"], torch.arange(L).expand(n, L)])}
     out["copy_rows"] = torch.arange(B + n) >= B
     return out
+
+
+def name_swap_groups(tokenizer, examples: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """Groups of token ids that :func:`swap_names` permutes among themselves: the retail world's
+    first names, last names, street names and one-word cities, each a ``(k, forms)`` long tensor
+    (capitalised, and lowercase for the names that also appear in e-mails and user ids).
+
+    A word is kept only where renaming it cannot change any other text: it is one token in every
+    form, belongs to one group, is not a word of the catalogue or of the policy (``green`` is a last
+    name and a colour), and in ``examples`` is never glued to other letters."""
+    from .envs import retail_world as world
+
+    text = [tokenizer.decode([i]) for i in range(len(tokenizer))]
+    letter_start = torch.tensor([bool(t) and t[0].isalpha() for t in text])
+    letter_end = torch.tensor([bool(t) and t[-1].isalpha() for t in text])
+    other_words = {w.lower() for values in world.OPTION_VALUES.values() for w in values}
+    for product in world.PRODUCTS:
+        for part in (product if isinstance(product, (list, tuple)) else [product]):
+            if isinstance(part, str):
+                other_words.update(w.lower() for w in part.replace("-", " ").split())
+    candidates = [
+        [(w.capitalize(), w) for w in world.FIRST_NAMES],
+        [(w.capitalize(), w) for w in world.LAST_NAMES],
+        [(w,) for w in world.STREETS],
+        [(city,) for city, _ in world.CITIES if " " not in city],
+    ]
+    seen: dict[str, int] = {}
+    for group in candidates:
+        for forms in group:
+            for f in forms:
+                seen[f] = seen.get(f, 0) + 1
+    glued: set[int] = set()
+    if examples:
+        ids = torch.cat([e["input_ids"] for e in examples[:2000]])
+        glued_here = torch.zeros_like(ids, dtype=torch.bool)
+        glued_here[1:] |= letter_end[ids[:-1]]
+        glued_here[:-1] |= letter_start[ids[1:]]
+        glued = set(ids[glued_here].tolist())
+    groups = []
+    for group in candidates:
+        rows = []
+        for forms in group:
+            encoded = [tokenizer.encode(f, add_special_tokens=False) for f in forms]
+            tok_ids = [e[0] if len(e) == 1 else None for e in encoded]
+            if any(t is None or t in glued for t in tok_ids) or any(seen[f] > 1 for f in forms) \
+                    or forms[-1].lower() in other_words:
+                continue
+            rows.append(tok_ids)
+        if len(rows) >= 2:
+            groups.append(torch.tensor(rows, dtype=torch.long))
+    return groups
+
+
+def swap_names(example: dict[str, torch.Tensor], groups: list[torch.Tensor], rng: np.random.Generator
+               ) -> dict[str, torch.Tensor]:
+    """``example`` with the words of each of :func:`name_swap_groups`' groups permuted at random, the
+    same way everywhere in the episode (the customer's sentence, the tool calls, the records, the
+    e-mail and the user id), so the episode stays consistent.
+
+    The training users are few (the synthetic tasks reuse them), so a tiny model can lower its loss
+    by remembering who has which zip code, e-mail and orders instead of reading them from the
+    conversation, and then fails on the test users. Renamed episodes make remembering useless."""
+    ids = example["input_ids"]
+    table = torch.arange(max([int(ids.max())] + [int(g.max()) for g in groups]) + 1)
+    for g in groups:
+        table[g] = g[torch.from_numpy(rng.permutation(len(g)))]
+    return {**example, "input_ids": table[ids]}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -485,6 +555,10 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     history: list[dict] = []
     lengths = [len(e["input_ids"]) for e in data]
     pad = tokenizer.pad_token_id or 0
+    swap_groups = name_swap_groups(tokenizer, data) if cfg.swap_names else []
+    if cfg.swap_names:
+        print(f"sft: renaming {cfg.swap_names:.0%} of the episodes; words per group: "
+              f"{[len(g) for g in swap_groups]}", file=sys.stderr)
     bar = None
     if cfg.progress:
         from tqdm import tqdm
@@ -497,7 +571,10 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     try:
         while not done:
             for idx in length_batches(lengths, cfg.batch_tokens, rng):
-                batch = collate([data[i] for i in idx], pad)
+                rows = [data[i] for i in idx]
+                if cfg.swap_names:
+                    rows = [swap_names(e, swap_groups, rng) if rng.random() < cfg.swap_names else e for e in rows]
+                batch = collate(rows, pad)
                 if cfg.copy_fraction:
                     batch = add_copy_rows(batch, cfg.copy_fraction, copy_tokens, rng)
                 for g in opt.param_groups:

@@ -230,3 +230,32 @@ def test_copy_warmup_and_previous_token_heads_in_the_sft_config():
         sft.SFTConfig(copy_warmup_length=8).validate()
     with pytest.raises(train.ConfigError, match="copy_warmup_steps"):
         sft.SFTConfig(copy_warmup_steps=-1).validate()
+
+
+def test_swap_names_renames_people_and_places_the_same_way_everywhere(tokenizer):
+    cfg = sft.SFTConfig(**{**SMALL, "max_total_tokens": 1 << 16})
+    examples = sft.expert_examples(tokenizer, cfg, list(range(12)))
+    groups = sft.name_swap_groups(tokenizer, examples)
+    words = {tokenizer.decode([int(i)]) for g in groups for i in g.flatten()}
+    assert {"Anya", "anya", "Walker", "walker", "Oak", "Denver"} <= words
+    # a last name that is also a colour, a street, and a two-word city stay as they are
+    assert not {"Green", "green", "Hill", "hill", "San", "Diego"} & words
+    rng = np.random.default_rng(0)
+    changed = 0
+    for ex in examples:
+        out = sft.swap_names(ex, groups, rng)
+        assert torch.equal(out["loss_mask"], ex["loss_mask"]) and out["input_ids"].shape == ex["input_ids"].shape
+        before, after = tokenizer.decode(ex["input_ids"]), tokenizer.decode(out["input_ids"])
+        changed += before != after
+        # one mapping per episode: every occurrence of a word became the same word
+        mapping = {}
+        for a, b in zip(ex["input_ids"].tolist(), out["input_ids"].tolist()):
+            assert mapping.setdefault(a, b) == b
+        assert len(set(mapping.values())) == len(mapping)  # a permutation: no two words merged
+        # what the customer says, the tool calls and the records still agree after renaming
+        user_id = after.split('"user_id": "')[1].split('"')[0]
+        first, last = user_id.split("_")[:2]
+        assert f'"name":"{first.capitalize()} {last.capitalize()}"' in after
+    assert changed >= 10
+    with pytest.raises(sft.ConfigError, match="swap_names"):
+        sft.SFTConfig(swap_names=1.5).validate()
