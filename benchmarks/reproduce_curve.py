@@ -115,14 +115,16 @@ def main(argv: list[str] | None = None) -> int:
             log = open(run_dir / "train.log", "a")
             cmd = [sys.executable, "-m", "sinkflex_core.train", "--config", str(cfg_path)]
             print(f"seed {seed}: {' '.join(cmd[1:])} (log {run_dir / 'train.log'})", flush=True)
-            running[seed] = (subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT), log, run_dir)
+            running[seed] = (subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT), log, run_dir,
+                             time.perf_counter())
         time.sleep(2)
-        for seed, (proc, log, run_dir) in list(running.items()):
+        for seed, (proc, log, run_dir, started) in list(running.items()):
             if proc.poll() is not None:
                 log.close()
                 del running[seed]
-                print(f"seed {seed}: exit {proc.returncode} after {(time.perf_counter() - t0) / 60:.1f} min",
-                      flush=True)
+                now = time.perf_counter()
+                print(f"seed {seed}: exit {proc.returncode} after {(now - started) / 60:.1f} min "
+                      f"({(now - t0) / 60:.1f} min since the first seed started)", flush=True)
                 if proc.returncode != 0:
                     print((run_dir / "train.log").read_text()[-3000:], file=sys.stderr)
                     return proc.returncode
