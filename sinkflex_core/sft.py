@@ -330,18 +330,16 @@ def name_swap_groups(tokenizer, examples: list[dict[str, torch.Tensor]]) -> list
     (capitalised, and lowercase for the names that also appear in e-mails and user ids).
 
     A word is kept only where renaming it cannot change any other text: it is one token in every
-    form, belongs to one group, is not a word of the catalogue or of the policy (``green`` is a last
-    name and a colour), and in ``examples`` is never glued to other letters."""
+    form, belongs to one group, is not a word of the catalogue (``green`` is a last name and a
+    colour), and in ``examples`` is never glued to other letters."""
     from .envs import retail_world as world
 
     text = [tokenizer.decode([i]) for i in range(len(tokenizer))]
     letter_start = torch.tensor([bool(t) and t[0].isalpha() for t in text])
     letter_end = torch.tensor([bool(t) and t[-1].isalpha() for t in text])
     other_words = {w.lower() for values in world.OPTION_VALUES.values() for w in values}
-    for product in world.PRODUCTS:
-        for part in (product if isinstance(product, (list, tuple)) else [product]):
-            if isinstance(part, str):
-                other_words.update(w.lower() for w in part.replace("-", " ").split())
+    for name, *_ in world.PRODUCTS:
+        other_words.update(w.lower() for w in name.replace("-", " ").split())
     candidates = [
         [(w.capitalize(), w) for w in world.FIRST_NAMES],
         [(w.capitalize(), w) for w in world.LAST_NAMES],
@@ -571,8 +569,9 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     history: list[dict] = []
     lengths = [len(e["input_ids"]) for e in data]
     pad = tokenizer.pad_token_id or 0
-    swap_groups = name_swap_groups(tokenizer, data) if cfg.swap_names else []
+    swap_groups = []
     if cfg.swap_names:
+        swap_groups = name_swap_groups(tokenizer, data)
         print(f"sft: renaming {cfg.swap_names:.0%} of the episodes; words per group: "
               f"{[len(g) for g in swap_groups]}", file=sys.stderr)
     bar = None
