@@ -111,8 +111,10 @@ class SFTConfig:
     batch_tokens: int = 4096  # padded tokens per optimizer step
     lr: float = 2e-3
     context_loss_weight: float = 1.0  # weight of the loss on non-expert tokens (0: classic SFT)
+    value_loss_weight: float = 10.0  # weight of the first token of each tool-call argument value (value_start_mask)
     copy_fraction: float = 0.1  # share of each batch's rows that are copy drills (add_copy_rows); 0: none
     swap_names: float = 1.0  # share of the expert episodes whose people and places are renamed (swap_names)
+    swap_numbers: float = 1.0  # share of the expert episodes whose numbers are renumbered (number_swap_group)
     # the next three apply to a new model only (skipped with init_from)
     previous_token_heads: bool = True  # start layer 0's first KV group as previous-token heads
     #                                    (models.init_previous_token_heads)
@@ -152,12 +154,16 @@ class SFTConfig:
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not (self.context_loss_weight >= 0 and math.isfinite(self.context_loss_weight)):
             raise ConfigError(f"context_loss_weight must be a number >= 0, got {self.context_loss_weight}")
+        if not (self.value_loss_weight >= 0 and math.isfinite(self.value_loss_weight)):
+            raise ConfigError(f"value_loss_weight must be a number >= 0, got {self.value_loss_weight}")
         if self.max_minutes <= 0:
             raise ConfigError(f"max_minutes must be > 0, got {self.max_minutes}")
         if not 0 <= self.copy_fraction < 1:
             raise ConfigError(f"copy_fraction must be in [0, 1), got {self.copy_fraction}")
         if not 0 <= self.swap_names <= 1:
             raise ConfigError(f"swap_names must be in [0, 1], got {self.swap_names}")
+        if not 0 <= self.swap_numbers <= 1:
+            raise ConfigError(f"swap_numbers must be in [0, 1], got {self.swap_numbers}")
         if self.init_from and not (Path(self.init_from) / "config.json").is_file():
             raise ConfigError(f"init_from must be a saved policy folder (with config.json), got {self.init_from!r}")
         if self.copy_warmup_length < 16 or self.copy_warmup_length > self.batch_tokens:
@@ -261,16 +267,55 @@ def collate(examples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, t
     return {"input_ids": ids, "attention_mask": att, "loss_mask": mask, "position_ids": pos}
 
 
+def value_start_tokens(tokenizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three boolean tables over the vocabulary for :func:`value_start_mask`: tokens that open a JSON
+    string value (``"``, `` "``, ``["``, `` "#``), those of them that end in ``#`` (an order id, whose
+    ``W`` is the same in every id), and tokens that end a key (``":``)."""
+    n = len(tokenizer)
+    opens, hashes, keys = (torch.zeros(n, dtype=torch.bool) for _ in range(3))
+    for i in range(n):
+        text = tokenizer.decode([i]).strip()
+        opens[i] = text in ('"', '["', '"#', '["#')
+        hashes[i] = opens[i] and text.endswith("#")
+        keys[i] = text.endswith(":")
+    return opens, hashes, keys
+
+
+def value_start_mask(input_ids: torch.Tensor, loss_mask: torch.Tensor, opens: torch.Tensor,
+                     hashes: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Where the expert writes the first token of an argument's value in a tool call (``"zip": "``
+    -> the ``921`` of ``92181``; for an order id ``"#W``, the first digits): the token that says
+    *which* value the agent copies from the conversation (a name or zip code the customer typed, an
+    id from a record), or which tool it calls. Boolean, the shape of ``input_ids``; tables from
+    :func:`value_start_tokens`.
+
+    These are about 4 % of the expert's tokens and the hardest ones (a lookup in the context); the
+    conversation's form is learned long before them, so ``SFTConfig.value_loss_weight`` can weigh
+    them more."""
+    ids = input_ids.clamp(0, len(opens) - 1)
+    out = torch.zeros_like(input_ids, dtype=torch.bool)
+    n = input_ids.shape[-1]
+    if n >= 3:  # key, opener, value
+        out[..., 2:] = keys[ids[..., :-2]] & opens[ids[..., 1:-1]] & ~hashes[ids[..., 1:-1]]
+    if n >= 4:  # key, opener ending in '#', the constant letter, value
+        out[..., 3:] |= keys[ids[..., :-3]] & hashes[ids[..., 1:-2]]
+    return out & loss_mask.bool()
+
+
 def sft_loss(policy: TokenLogprobs, batch: dict[str, torch.Tensor],
-             context_weight: float = 0.0) -> tuple[torch.Tensor, int]:
+             context_weight: float = 0.0, value_weight: float = 1.0) -> tuple[torch.Tensor, int]:
     """Weighted mean negative log-likelihood and the number of expert tokens (loss mask 1).
 
     Expert tokens weigh 1, the other real tokens of the episode ``context_weight`` (padding and each
-    row's first token, which has no prefix, weigh 0)."""
+    row's first token, which has no prefix, weigh 0); where ``batch`` has a ``value_mask``
+    (:func:`value_start_mask`), those expert tokens weigh ``value_weight``."""
     logp, _ = policy(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
     mask = batch["loss_mask"]
     real = batch["attention_mask"].to(mask.dtype)
     weight = (mask + context_weight * (1 - mask) * real) if context_weight else mask.clone()
+    value_mask = batch.get("value_mask")
+    if value_mask is not None and value_weight != 1.0:
+        weight = torch.where(value_mask & (mask > 0), weight * value_weight, weight)
     copy_rows = batch.get("copy_rows")
     if copy_rows is not None and copy_rows.any():  # copy drills: only the repeats are scored
         weight[copy_rows] = mask[copy_rows]
@@ -371,6 +416,21 @@ def name_swap_groups(tokenizer, examples: list[dict[str, torch.Tensor]]) -> list
         if len(rows) >= 2:
             groups.append(torch.tensor(rows, dtype=torch.long))
     return groups
+
+
+def number_swap_group(tokenizer) -> torch.Tensor:
+    """The tokens of exactly three digits, as one :func:`swap_names` group (``(k, 1)``).
+
+    The tokenizer splits digit runs into groups of three from the left
+    (:func:`sinkflex_core.models.train_tokenizer`), so the first token of every id, zip code, street
+    number and price of 100 or more is one of these. Permuting them, the same way everywhere in an
+    episode, renumbers every such value consistently (the zip the customer types, the one in the call
+    and the one in the record stay equal; an order id stays the same id wherever it appears), while
+    the length of each number, its shorter groups, and prices' cents stay as they were. Without it,
+    the training users' orders are a key a tiny model can use to remember their zip codes, e-mails and
+    items instead of reading them from the conversation."""
+    ids = [i for i in range(len(tokenizer)) if len(t := tokenizer.decode([i])) == 3 and t.isdigit()]
+    return torch.tensor(ids, dtype=torch.long).reshape(-1, 1)
 
 
 def swap_names(example: dict[str, torch.Tensor], groups: list[torch.Tensor], rng: np.random.Generator
@@ -569,11 +629,18 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     history: list[dict] = []
     lengths = [len(e["input_ids"]) for e in data]
     pad = tokenizer.pad_token_id or 0
+    value_tables = value_start_tokens(tokenizer) if cfg.value_loss_weight != 1.0 else None
     swap_groups = []
     if cfg.swap_names:
         swap_groups = name_swap_groups(tokenizer, data)
         print(f"sft: renaming {cfg.swap_names:.0%} of the episodes; words per group: "
               f"{[len(g) for g in swap_groups]}", file=sys.stderr)
+    number_group = [number_swap_group(tokenizer)] if cfg.swap_numbers else []
+    if number_group and len(number_group[0]) < 2:
+        number_group = []
+    if number_group:
+        print(f"sft: renumbering {cfg.swap_numbers:.0%} of the episodes ({len(number_group[0])} three-digit tokens)",
+              file=sys.stderr)
     bar = None
     if cfg.progress:
         from tqdm import tqdm
@@ -589,12 +656,16 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
                 rows = [data[i] for i in idx]
                 if cfg.swap_names:
                     rows = [swap_names(e, swap_groups, rng) if rng.random() < cfg.swap_names else e for e in rows]
+                if number_group:
+                    rows = [swap_names(e, number_group, rng) if rng.random() < cfg.swap_numbers else e for e in rows]
                 batch = collate(rows, pad)
                 if cfg.copy_fraction:
                     batch = add_copy_rows(batch, cfg.copy_fraction, copy_tokens, rng)
+                if value_tables is not None:
+                    batch["value_mask"] = value_start_mask(batch["input_ids"], batch["loss_mask"], *value_tables)
                 for g in opt.param_groups:
                     g["lr"] = lr_at(step)
-                loss, n = sft_loss(policy, batch, cfg.context_loss_weight)
+                loss, n = sft_loss(policy, batch, cfg.context_loss_weight, cfg.value_loss_weight)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 opt.step()

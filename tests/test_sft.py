@@ -111,6 +111,46 @@ def test_context_loss_weighs_expert_tokens_one_and_other_real_tokens_w(tokenizer
         sft.SFTConfig(init_from="no/such/folder").validate()
 
 
+def test_value_start_mask_marks_the_first_token_of_each_tool_call_argument_and_weighs_it(tokenizer):
+    cfg = sft.SFTConfig(**{**SMALL, "max_total_tokens": 1 << 16})
+    (ex,) = sft.expert_examples(tokenizer, cfg, [1])  # identity by e-mail or name and zip, then a lookup by id
+    tables = sft.value_start_tokens(tokenizer)
+    mask = sft.value_start_mask(ex["input_ids"], ex["loss_mask"], *tables)
+    messages, _ = expert_conversation(cfg.env_id, "train", 1)
+    # expected: the first token of every argument value and of every tool name the expert writes
+    expected = []
+    for m in messages:
+        for call in m.get("tool_calls") or []:
+            fn = call["function"]
+            expected.append(fn["name"])
+            for value in fn["arguments"].values():
+                value = value[0] if isinstance(value, list) else value
+                expected.append(value[2:] if value.startswith("#W") else value)
+    ids = ex["input_ids"].tolist()
+    marked = mask.nonzero().flatten().tolist()
+    assert len(marked) == len(expected) and all(ex["loss_mask"][p] for p in marked)
+    for p, value in zip(marked, expected):  # each marked token starts its value's text, in order
+        assert str(value).startswith(tokenizer.decode([ids[p]])), (tokenizer.decode(ids[p - 3:p + 3]), value)
+
+    # the loss weighs marked expert tokens value_weight and the others as before
+    torch.manual_seed(0)
+    model = build_model(tiny_qwen2_config(len(tokenizer), hidden_size=64, num_layers=1, tokenizer=tokenizer))
+    policy = train.TokenLogprobs(model)
+    batch = sft.collate([ex], pad_id=0)
+    batch["value_mask"] = sft.value_start_mask(batch["input_ids"], batch["loss_mask"], *tables)
+    with torch.no_grad():
+        logp, _ = policy(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+        weights = batch["loss_mask"] + 0.5 * (1 - batch["loss_mask"])
+        weights[batch["value_mask"]] *= 8.0
+        weights[:, 0] = 0
+        got, _ = sft.sft_loss(policy, batch, 0.5, 8.0)
+        torch.testing.assert_close(got, -(logp * weights).sum() / weights.sum())
+        torch.testing.assert_close(sft.sft_loss(policy, batch, 0.5, 1.0)[0], sft.sft_loss(
+            policy, {k: v for k, v in batch.items() if k != "value_mask"}, 0.5)[0])
+    with pytest.raises(train.ConfigError, match="value_loss_weight"):
+        sft.SFTConfig(value_loss_weight=float("nan")).validate()
+
+
 @pytest.mark.slow
 def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path):
     cfg = sft.SFTConfig(**{**SMALL, "train_tasks": 6, "max_steps": 30, "eval_every": 15, "lr": 3e-3,
@@ -259,3 +299,31 @@ def test_swap_names_renames_people_and_places_the_same_way_everywhere(tokenizer)
     assert changed >= 10
     with pytest.raises(sft.ConfigError, match="swap_names"):
         sft.SFTConfig(swap_names=1.5).validate()
+
+
+def test_swap_numbers_renumbers_every_id_and_zip_the_same_way_everywhere(tokenizer):
+    import re
+
+    cfg = sft.SFTConfig(**{**SMALL, "max_total_tokens": 1 << 16})
+    examples = sft.expert_examples(tokenizer, cfg, list(range(8)))
+    group = sft.number_swap_group(tokenizer)
+    assert group.shape == (1000, 1)  # every group of three digits is one token
+    rng = np.random.default_rng(0)
+    for ex in examples:
+        out = sft.swap_names(ex, [group], rng)
+        before, after = tokenizer.decode(ex["input_ids"]), tokenizer.decode(out["input_ids"])
+        nums_before, nums_after = re.findall(r"\d+", before), re.findall(r"\d+", after)
+        # the text is the same but for digits; each number keeps its length, and numbers below 100 stay
+        assert re.sub(r"\d", "0", before) == re.sub(r"\d", "0", after)
+        assert [n for n in nums_before if len(n) < 3] == [n for n in nums_after if len(n) < 3]
+        # one renumbering per episode: equal numbers stay equal, different ones stay different
+        mapping = {}
+        for a, b in zip(nums_before, nums_after):
+            assert mapping.setdefault(a, b) == b
+        assert len(set(mapping.values())) == len(mapping)
+        assert sum(a != b for a, b in mapping.items()) >= len([n for n in mapping if len(n) >= 3]) // 2
+        # the zip or e-mail in the customer's sentence is the one in the call and the record
+        zips = re.findall(r'"zip": ?"(\d+)"', after)
+        assert len(set(zips)) >= 1 and all(z in after.split("<tool_call>")[0] or '"zip":"' + z in after for z in zips)
+    with pytest.raises(sft.ConfigError, match="swap_numbers"):
+        sft.SFTConfig(swap_numbers=-0.1).validate()
