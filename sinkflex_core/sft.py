@@ -267,14 +267,19 @@ def collate(examples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, t
     return {"input_ids": ids, "attention_mask": att, "loss_mask": mask, "position_ids": pos}
 
 
+def token_texts(tokenizer) -> list[str]:
+    """The text of every id of ``tokenizer``'s vocabulary, each decoded alone."""
+    return tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+
+
 def value_start_tokens(tokenizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Three boolean tables over the vocabulary for :func:`value_start_mask`: tokens that open a JSON
     string value (``"``, `` "``, ``["``, `` "#``), those of them that end in ``#`` (an order id, whose
     ``W`` is the same in every id), and tokens that end a key (``":``)."""
-    n = len(tokenizer)
-    opens, hashes, keys = (torch.zeros(n, dtype=torch.bool) for _ in range(3))
-    for i in range(n):
-        text = tokenizer.decode([i]).strip()
+    texts = token_texts(tokenizer)
+    opens, hashes, keys = (torch.zeros(len(texts), dtype=torch.bool) for _ in range(3))
+    for i, text in enumerate(texts):
+        text = text.strip()
         opens[i] = text in ('"', '["', '"#', '["#')
         hashes[i] = opens[i] and text.endswith("#")
         keys[i] = text.endswith(":")
@@ -379,7 +384,7 @@ def name_swap_groups(tokenizer, examples: list[dict[str, torch.Tensor]]) -> list
     colour), and in ``examples`` is never glued to other letters."""
     from .envs import retail_world as world
 
-    text = [tokenizer.decode([i]) for i in range(len(tokenizer))]
+    text = token_texts(tokenizer)
     letter_start = torch.tensor([bool(t) and t[0].isalpha() for t in text])
     letter_end = torch.tensor([bool(t) and t[-1].isalpha() for t in text])
     other_words = {w.lower() for values in world.OPTION_VALUES.values() for w in values}
@@ -429,7 +434,7 @@ def number_swap_group(tokenizer) -> torch.Tensor:
     the length of each number, its shorter groups, and prices' cents stay as they were. Without it,
     the training users' orders are a key a tiny model can use to remember their zip codes, e-mails and
     items instead of reading them from the conversation."""
-    ids = [i for i in range(len(tokenizer)) if len(t := tokenizer.decode([i])) == 3 and t.isdigit()]
+    ids = [i for i, t in enumerate(token_texts(tokenizer)) if len(t) == 3 and t.isdigit()]
     return torch.tensor(ids, dtype=torch.long).reshape(-1, 1)
 
 
@@ -463,8 +468,7 @@ def expert_token_accuracy(model, tokenizer, examples: list[dict[str, torch.Tenso
     Where a policy's rollouts fail is usually visible here: a tiny model may continue a number it
     started well and still rarely start the right one."""
     digit = torch.zeros(max(len(tokenizer), int(model.get_output_embeddings().weight.shape[0])), dtype=torch.bool)
-    for tok_id in range(len(tokenizer)):
-        text = tokenizer.decode([tok_id])
+    for tok_id, text in enumerate(token_texts(tokenizer)):
         digit[tok_id] = bool(text) and text.isdigit()
     was_training = model.training
     model.eval()
