@@ -114,6 +114,7 @@ class SFTConfig:
     value_loss_weight: float = 10.0  # weight of the first token of each tool-call argument value (value_start_mask)
     copy_fraction: float = 0.1  # share of each batch's rows that are copy drills (add_copy_rows); 0: none
     swap_names: float = 1.0  # share of the expert episodes whose people and places are renamed (swap_names)
+    opening_copies: int = 0  # extra rows per episode of its opening, up to its first tool call (episode_openings)
     swap_numbers: float = 1.0  # share of the expert episodes whose numbers are renumbered (number_swap_group)
     # the next three apply to a new model only (skipped with init_from)
     previous_token_heads: bool = True  # start layer 0's first KV group as previous-token heads
@@ -145,7 +146,7 @@ class SFTConfig:
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("train_tasks", "val_tasks", "warmup_steps", "min_steps", "threads", "schedule_steps",
-                     "num_heads", "num_kv_heads", "copy_warmup_steps"):
+                     "num_heads", "num_kv_heads", "copy_warmup_steps", "opening_copies"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -232,6 +233,27 @@ def expert_examples(tokenizer, cfg: SFTConfig, task_indices: list[int], split: s
         tmp = path.with_suffix(".tmp")
         torch.save(out, tmp)
         tmp.replace(path)
+    return out
+
+
+def episode_openings(examples: list[dict[str, torch.Tensor]], tool_call_id: int) -> list[dict[str, torch.Tensor]]:
+    """Each example cut after the expert's first turn that calls a tool (the turn with ``tool_call_id``,
+    through its end-of-turn token); examples without such a turn are skipped.
+
+    In the retail world that first call is the identity lookup: the e-mail, or the name and zip code,
+    read out of the customer's sentence, which a tiny model learns last. An opening is about a tenth
+    of an episode's tokens, so repeating the openings (``SFTConfig.opening_copies``) adds many such
+    lookups per optimizer step for few tokens; renamed and renumbered afresh each time they are drawn
+    (:func:`swap_names`), the copies are different lookups."""
+    out = []
+    for e in examples:
+        ids, mask = e["input_ids"], e["loss_mask"].bool()
+        calls = ((ids == tool_call_id) & mask).nonzero().flatten()
+        if not len(calls):
+            continue
+        after = (~mask[int(calls[0]):]).nonzero().flatten()  # the first non-expert token after the call
+        end = int(calls[0]) + int(after[0]) if len(after) else len(ids)
+        out.append({"input_ids": ids[:end].clone(), "loss_mask": e["loss_mask"][:end].clone()})
     return out
 
 
@@ -600,6 +622,11 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
                            cache_dir=build_dir() / "sft_cache")
     if not data:
         raise RuntimeError("the oracle solved none of the training tasks: no expert data")
+    if cfg.opening_copies:
+        openings = episode_openings(data, tokenizer.convert_tokens_to_ids("<tool_call>"))
+        data = data + openings * cfg.opening_copies
+        print(f"sft: {len(openings)} episode openings x {cfg.opening_copies} added "
+              f"({sum(len(e['input_ids']) for e in openings) * cfg.opening_copies:,} tokens)", file=sys.stderr)
     if cfg.init_from:
         from transformers import AutoModelForCausalLM
 

@@ -156,7 +156,7 @@ def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path):
     cfg = sft.SFTConfig(**{**SMALL, "train_tasks": 6, "max_steps": 30, "eval_every": 15, "lr": 3e-3,
                            "warmup_steps": 5, "stop_at_reward": 0.0, "max_total_tokens": 512, "max_turns": 3,
                            "max_new_tokens_per_turn": 24, "out_dir": str(tmp_path / "sft"),
-                           "save_snapshots": True})
+                           "save_snapshots": True, "value_loss_weight": 1.0, "swap_numbers": 0.0})
     result = sft.train_sft(cfg)
     hist = result.history
     assert result.steps == 30 and [h["step"] for h in hist] == [15, 30]
@@ -180,6 +180,11 @@ def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path):
     more = sft.train_sft(sft.SFTConfig(**{**cfg.__dict__, "init_from": str(tmp_path / "sft"), "max_steps": 2,
                                           "eval_every": 2, "hidden_size": 32, "out_dir": str(tmp_path / "sft2")}))
     assert more.model.config.hidden_size == 64 and more.history[0]["loss"] < 0.6 * np.log(DEFAULT_VOCAB_SIZE)
+    # the defaults' extras (weighted values, renumbered episodes) and repeated openings train too
+    extra = sft.train_sft(sft.SFTConfig(**{**cfg.__dict__, "init_from": str(tmp_path / "sft"), "max_steps": 2,
+                                           "eval_every": 2, "out_dir": str(tmp_path / "sft3"), "opening_copies": 2,
+                                           "value_loss_weight": 10.0, "swap_numbers": 1.0}))
+    assert extra.steps == 2 and np.isfinite(extra.history[-1]["loss"])
 
 
 def test_expert_token_accuracy_counts_numbers_and_scores_a_model(tokenizer):
@@ -299,6 +304,28 @@ def test_swap_names_renames_people_and_places_the_same_way_everywhere(tokenizer)
     assert changed >= 10
     with pytest.raises(sft.ConfigError, match="swap_names"):
         sft.SFTConfig(swap_names=1.5).validate()
+
+
+def test_episode_openings_end_with_the_first_tool_call(tokenizer):
+    cfg = sft.SFTConfig(**{**SMALL, "max_total_tokens": 1 << 16})
+    examples = sft.expert_examples(tokenizer, cfg, list(range(6)))
+    call_id = tokenizer.convert_tokens_to_ids("<tool_call>")
+    openings = sft.episode_openings(examples, call_id)
+    assert len(openings) == len(examples)
+    for ex, op in zip(examples, openings):
+        n = len(op["input_ids"])
+        assert n < len(ex["input_ids"]) and torch.equal(op["input_ids"], ex["input_ids"][:n])
+        assert torch.equal(op["loss_mask"], ex["loss_mask"][:n])
+        spans = _masked_spans(op["input_ids"], op["loss_mask"])
+        # the last expert turn is the first tool call, closed; no earlier turn called a tool
+        assert tokenizer.decode(spans[-1]).startswith("<tool_call>") and spans[-1][-1] == tokenizer.eos_token_id
+        assert all(call_id not in s for s in spans[:-1])
+        assert op["loss_mask"][-1] == 1  # nothing of the tool's reply is kept
+    # an episode whose expert never calls a tool has no opening
+    no_call = {"input_ids": torch.tensor([5, 6, 7]), "loss_mask": torch.tensor([0, 1, 1])}
+    assert sft.episode_openings([no_call], call_id) == []
+    with pytest.raises(sft.ConfigError, match="opening_copies"):
+        sft.SFTConfig(opening_copies=-1).validate()
 
 
 def test_swap_numbers_renumbers_every_id_and_zip_the_same_way_everywhere(tokenizer):
