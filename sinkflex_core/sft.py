@@ -264,7 +264,7 @@ def episode_openings(examples: list[dict[str, torch.Tensor]], tool_call_id: int)
     through its end-of-turn token); examples without such a turn are skipped.
 
     In the retail world that first call is the identity lookup: the e-mail, or the name and zip code,
-    read out of the customer's sentence, which a tiny model learns last. An opening is about a tenth
+    read out of the customer's sentence, which a tiny model learns last. An opening is about a fifth
     of an episode's tokens, so repeating the openings (``SFTConfig.opening_copies``) adds many such
     lookups per optimizer step for few tokens; renamed and renumbered afresh each time they are drawn
     (:func:`swap_names`), the copies are different lookups."""
