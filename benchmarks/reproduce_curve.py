@@ -64,7 +64,10 @@ def write_sft_table(sft_dir: Path, hist: pd.DataFrame) -> None:
                         num_layers=mcfg.num_hidden_layers, num_heads=mcfg.num_attention_heads, parameters=n_params,
                         expert_split=cfg.get("expert_split", "train"), expert_tasks=cfg["train_tasks"] or "all",
                         batch_tokens=cfg["batch_tokens"], context_loss_weight=cfg["context_loss_weight"],
-                        val_tasks=cfg["val_tasks"], eval_temperature=cfg["eval_temperature"], threads=cfg["threads"])
+                        val_tasks=cfg["val_tasks"], eval_temperature=cfg["eval_temperature"], threads=cfg["threads"],
+                        init_from=cfg.get("init_from", ""), value_loss_weight=cfg.get("value_loss_weight", 1.0),
+                        recall_warmup_steps=cfg.get("recall_warmup_steps", 0),
+                        recall_fraction=cfg.get("recall_fraction", 0.0))
     for k, v in provenance().items():
         table[k] = v
     front = ["run", "seed", "step", "epoch", "loss", "lr", "val_reward", "val_success", "val_turns", "elapsed_s", "best"]

@@ -137,6 +137,7 @@ class SFTConfig:
     context_loss_weight: float = 1.0  # weight of the loss on non-expert tokens (0: classic SFT)
     value_loss_weight: float = 1.0  # weight of the first token of each tool-call argument value (value_start_mask)
     copy_fraction: float = 0.1  # share of each batch's rows that are copy drills (add_copy_rows); 0: none
+    recall_fraction: float = 0.0  # share of each batch's rows that are key-value recall drills (recall_drills)
     swap_names: float = 1.0  # share of the expert episodes whose people and places are renamed (swap_names)
     opening_copies: int = 0  # extra rows per episode of its opening, up to its first tool call (episode_openings)
     swap_numbers: float = 0.0  # share of the expert episodes whose numbers are renumbered (number_swap_group)
@@ -144,7 +145,9 @@ class SFTConfig:
     previous_token_heads: bool = True  # start layer 0's first KV group as previous-token heads
     #                                    (models.init_previous_token_heads)
     copy_warmup_steps: int = 800  # optimizer steps on copy drills alone (batch_tokens each) before the SFT
-    copy_warmup_length: int = 128  # tokens per drill row in that warm-up
+    copy_warmup_length: int = 128  # tokens per drill row in that warm-up (and in the recall warm-up)
+    recall_warmup_steps: int = 0  # optimizer steps on recall drills alone (recall_drills) before the SFT;
+    #                               also with init_from
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
     weight_decay: float = 0.01
@@ -170,7 +173,8 @@ class SFTConfig:
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("train_tasks", "val_tasks", "warmup_steps", "min_steps", "threads", "schedule_steps",
-                     "num_heads", "num_kv_heads", "copy_warmup_steps", "opening_copies"):
+                     "num_heads", "num_kv_heads", "copy_warmup_steps", "opening_copies",
+                     "recall_warmup_steps"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -185,6 +189,9 @@ class SFTConfig:
             raise ConfigError(f"max_minutes must be > 0, got {self.max_minutes}")
         if not 0 <= self.copy_fraction < 1:
             raise ConfigError(f"copy_fraction must be in [0, 1), got {self.copy_fraction}")
+        if not 0 <= self.recall_fraction < 1 or self.copy_fraction + self.recall_fraction >= 1:
+            raise ConfigError(f"recall_fraction must be in [0, 1) and leave room for expert rows beside "
+                              f"copy_fraction, got {self.recall_fraction}")
         if not 0 <= self.swap_names <= 1:
             raise ConfigError(f"swap_names must be in [0, 1], got {self.swap_names}")
         if not 0 <= self.swap_numbers <= 1:
@@ -411,13 +418,93 @@ def add_copy_rows(batch: dict[str, torch.Tensor], fraction: float, token_ids: to
     loss plateau (see :func:`sinkflex_core.models.init_previous_token_heads`)."""
     B, L = batch["input_ids"].shape
     n = max(1, round(B * fraction / (1 - fraction)))
-    ids, mask = copy_drills(n, L, token_ids, rng)
+    return add_drill_rows(batch, *copy_drills(n, L, token_ids, rng))
+
+
+def add_drill_rows(batch: dict[str, torch.Tensor], ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``batch`` with drill rows ``ids`` / ``mask`` (as long as its rows) appended and marked in
+    ``copy_rows``, where :func:`sft_loss` scores only their masked tokens."""
+    B, L = batch["input_ids"].shape
+    n = len(ids)
     out = {"input_ids": torch.cat([batch["input_ids"], ids]),
            "attention_mask": torch.cat([batch["attention_mask"], torch.ones_like(ids)]),
            "loss_mask": torch.cat([batch["loss_mask"], mask.to(batch["loss_mask"].dtype)]),
            "position_ids": torch.cat([batch["position_ids"], torch.arange(L).expand(n, L)])}
-    out["copy_rows"] = torch.arange(B + n) >= B
+    out["copy_rows"] = torch.cat([batch.get("copy_rows", torch.zeros(B, dtype=torch.bool)), torch.ones(n, dtype=torch.bool)])
     return out
+
+
+RECALL_FILLER_WORDS = ("is", "am", "are", "to", "of", "my", "the", "at", "in", "for")
+
+
+def recall_tokens(tokenizer, examples: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens of :func:`recall_drills`: ``(token_ids, fillers)``, every non-special token that
+    occurs in ``examples``, and those of them that may stand between a key and its value: tokens
+    without a letter or digit (a space, quotes, ``":``, a comma) and a few short words (``is``, ``am``...)."""
+    special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
+    seen = torch.unique(torch.cat([e["input_ids"] for e in examples]))
+    seen = seen[~torch.isin(seen, special)]
+    texts = token_texts(tokenizer)
+    filler = torch.tensor([bool(texts[i]) and (not any(c.isalnum() for c in texts[i])
+                                               or texts[i].strip() in RECALL_FILLER_WORDS) for i in seen.tolist()])
+    return seen, seen[filler]
+
+
+def recall_drills(rows: int, length: int, token_ids: torch.Tensor, fillers: torch.Tensor,
+                  rng: np.random.Generator, fact_fillers: tuple[int, int] = (1, 1),
+                  ask_fillers: tuple[int, int] = (1, 2)) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` key-value recall drills of ``length`` tokens. A block states 2-6 facts ``key SEP
+    value`` (a key token, 1-3 of the ``fillers``, a value of 1-3 other tokens) among random tokens, then asks
+    each key again after *other* fillers, ``key SEP' value``; only those values are scored. Blocks
+    follow one another to the row's length (random tokens in front), each with its own keys.
+
+    This is the lookup of the retail world's identity call: the customer writes ``zip 92181`` or
+    ``email is lucia...``, the call needs ``"zip": "92181"`` / ``"email": "lucia...``. The token just
+    before the value differs between the two (a space, ``is``, a quote), so plain induction (match
+    the current token, :func:`copy_drills`) does not find it: the model must match the key a few
+    tokens back. Returns ``(input_ids, loss_mask)``."""
+    ids = torch.empty((rows, length), dtype=torch.long)
+    mask = torch.zeros((rows, length), dtype=torch.float32)
+    key_ids = token_ids[~torch.isin(token_ids, fillers)]
+
+    def draw(pool: torch.Tensor, k: int, avoid: torch.Tensor) -> list[int]:
+        t = pool[torch.from_numpy(rng.integers(0, len(pool), k))]
+        return t[~torch.isin(t, avoid)].tolist()
+
+    for r in range(rows):
+        body: list[int] = []
+        score: list[bool] = []
+        used = torch.empty(0, dtype=torch.long)
+        tries = 0
+        while True:
+            n = int(rng.integers(2, 7))
+            keys = key_ids[torch.from_numpy(rng.choice(len(key_ids), min(n, len(key_ids)), replace=False))]
+            avoid = torch.cat([used, keys])
+            values = []
+            while len(values) < len(keys):  # values: 1-3 tokens that are neither fillers nor keys
+                values += [v] if (v := draw(key_ids, int(rng.integers(1, 4)), avoid)) else []
+            b_ids: list[int] = []
+            b_score: list[bool] = []
+            for j, scored in [(int(j), False) for j in rng.permutation(len(keys))] + \
+                             [(int(j), True) for j in rng.permutation(len(keys))]:
+                b_ids += draw(token_ids, int(rng.integers(0, 7 if scored else 13)), avoid) + [int(keys[j])]
+                lo, hi = ask_fillers if scored else fact_fillers
+                b_ids += fillers[torch.from_numpy(rng.integers(0, len(fillers), int(rng.integers(lo, hi + 1))))].tolist()
+                b_score += [False] * (len(b_ids) - len(b_score)) + [scored] * len(values[j])
+                b_ids += values[j]
+            if len(body) + len(b_ids) > length:
+                tries += 1
+                if body or tries >= 20:  # the row is full (a short row: try smaller blocks first)
+                    break
+                continue
+            body += b_ids
+            score += b_score
+            used = avoid
+        head = draw(token_ids, 2 * (length - len(body)) + 8, used)[:length - len(body)]
+        head += [int(fillers[0])] * (length - len(body) - len(head))
+        ids[r] = torch.tensor(head + body, dtype=torch.long)
+        mask[r, len(head):] = torch.tensor(score, dtype=torch.float32)
+    return ids, mask
 
 
 def name_swap_groups(tokenizer, examples: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -581,20 +668,43 @@ def copy_warmup(policy: TokenLogprobs, cfg: SFTConfig, token_ids: torch.Tensor, 
     """``cfg.copy_warmup_steps`` optimizer steps on :func:`copy_drill_batch` alone (rows of
     ``cfg.copy_warmup_length`` tokens, ``cfg.batch_tokens`` per step; learning rate ``cfg.lr`` after
     a linear warm-up; its own AdamW, discarded after). Returns the loss of every step."""
-    model = policy.lm
     rows = max(1, cfg.batch_tokens // cfg.copy_warmup_length)
+    return drill_warmup(policy, cfg, cfg.copy_warmup_steps, "copy warm-up",
+                        lambda: copy_drill_batch(rows, cfg.copy_warmup_length, token_ids, rng))
+
+
+def recall_warmup(policy: TokenLogprobs, cfg: SFTConfig, token_ids: torch.Tensor, fillers: torch.Tensor,
+                  rng: np.random.Generator) -> list[float]:
+    """``cfg.recall_warmup_steps`` optimizer steps on :func:`recall_drills` alone, as
+    :func:`copy_warmup` (rows of ``cfg.copy_warmup_length`` tokens). Returns the loss of every step."""
+    rows, length = max(1, cfg.batch_tokens // cfg.copy_warmup_length), cfg.copy_warmup_length
+
+    def batch() -> dict[str, torch.Tensor]:
+        ids, mask = recall_drills(rows, length, token_ids, fillers, rng)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask,
+                "position_ids": torch.arange(length).expand(rows, length),
+                "copy_rows": torch.ones(rows, dtype=torch.bool)}
+
+    return drill_warmup(policy, cfg, cfg.recall_warmup_steps, "recall warm-up", batch)
+
+
+def drill_warmup(policy: TokenLogprobs, cfg: SFTConfig, steps: int, desc: str, make_batch) -> list[float]:
+    """``steps`` optimizer steps on the batches ``make_batch()`` returns (learning rate ``cfg.lr``
+    after a linear warm-up of ``cfg.warmup_steps``; its own AdamW, discarded after). Returns the
+    loss of every step."""
+    model = policy.lm
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     losses = []
     bar = None
     if cfg.progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.copy_warmup_steps, desc="copy warm-up", unit="step", dynamic_ncols=True, file=sys.stderr)
+        bar = tqdm(total=steps, desc=desc, unit="step", dynamic_ncols=True, file=sys.stderr)
     try:
-        for step in range(cfg.copy_warmup_steps):
+        for step in range(steps):
             for g in opt.param_groups:
                 g["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
-            loss, _ = sft_loss(policy, copy_drill_batch(rows, cfg.copy_warmup_length, token_ids, rng))
+            loss, _ = sft_loss(policy, make_batch())
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
@@ -671,6 +781,12 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
         tail = losses[-min(len(losses), 20):]
         print(f"sft: copy warm-up {len(losses)} steps, loss {losses[0]:.3f} -> {sum(tail) / len(tail):.3f} "
               f"(mean of the last {len(tail)})", file=sys.stderr)
+    recall = recall_tokens(tokenizer, data) if cfg.recall_fraction or cfg.recall_warmup_steps else None
+    if cfg.recall_warmup_steps:
+        losses = recall_warmup(policy, cfg, *recall, rng)
+        tail = losses[-min(len(losses), 20):]
+        print(f"sft: recall warm-up {len(losses)} steps, loss {losses[0]:.3f} -> {sum(tail) / len(tail):.3f} "
+              f"(mean of the last {len(tail)})", file=sys.stderr)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     horizon = cfg.schedule_steps or cfg.max_steps
 
@@ -716,6 +832,10 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
                 batch = collate(rows, pad)
                 if cfg.copy_fraction:
                     batch = add_copy_rows(batch, cfg.copy_fraction, copy_tokens, rng)
+                if cfg.recall_fraction:
+                    B, L = batch["input_ids"].shape
+                    n = max(1, round(B * cfg.recall_fraction / (1 - cfg.recall_fraction)))
+                    batch = add_drill_rows(batch, *recall_drills(n, L, *recall, rng))
                 if value_tables is not None:
                     batch["value_mask"] = value_start_mask(batch["input_ids"], batch["loss_mask"], *value_tables)
                 for g in opt.param_groups:

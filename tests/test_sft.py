@@ -180,10 +180,11 @@ def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path):
     more = sft.train_sft(sft.SFTConfig(**{**cfg.__dict__, "init_from": str(tmp_path / "sft"), "max_steps": 2,
                                           "eval_every": 2, "hidden_size": 32, "out_dir": str(tmp_path / "sft2")}))
     assert more.model.config.hidden_size == 64 and more.history[0]["loss"] < 0.6 * np.log(DEFAULT_VOCAB_SIZE)
-    # the defaults' extras (weighted values, renumbered episodes) and repeated openings train too
+    # the options (weighted values, renumbered episodes, repeated openings, recall drills) train too
     extra = sft.train_sft(sft.SFTConfig(**{**cfg.__dict__, "init_from": str(tmp_path / "sft"), "max_steps": 2,
                                            "eval_every": 2, "out_dir": str(tmp_path / "sft3"), "opening_copies": 2,
-                                           "value_loss_weight": 10.0, "swap_numbers": 1.0}))
+                                           "value_loss_weight": 10.0, "swap_numbers": 1.0, "recall_warmup_steps": 2,
+                                           "recall_fraction": 0.2}))
     assert extra.steps == 2 and np.isfinite(extra.history[-1]["loss"])
 
 
@@ -244,6 +245,43 @@ def test_copy_drills_repeat_a_segment_and_score_only_the_repeats():
     torch.testing.assert_close(loss, -(logp * w).sum() / w.sum())
     with pytest.raises(train.ConfigError, match="copy_fraction"):
         sft.SFTConfig(copy_fraction=1.0).validate()
+
+
+def test_recall_drills_ask_each_key_again_after_other_fillers_and_score_its_value():
+    tokens, fillers = torch.arange(10, 300), torch.arange(300, 310)  # disjoint: every position is unambiguous
+    ids, mask = sft.recall_drills(6, 160, tokens, fillers, np.random.default_rng(0))
+    assert ids.shape == mask.shape == (6, 160) and torch.isin(ids, torch.cat([tokens, fillers])).all()
+    is_filler = torch.isin(ids, fillers)
+    asked = 0
+    for row in range(6):
+        scored = mask[row].nonzero().flatten().tolist()
+        starts = [p for p in scored if mask[row, p - 1] == 0]
+        assert starts, "every row asks at least one key"
+        for p in starts:
+            end = p
+            while end < 160 and mask[row, end] == 1:
+                end += 1
+            k = p - 1
+            while is_filler[row, k]:
+                k -= 1
+            assert 1 <= p - 1 - k <= 2  # asked after one or two fillers (a call's `": "`)
+            key = ids[row, k]
+            earlier = (ids[row, :k] == key).nonzero().flatten()
+            assert len(earlier) >= 1  # the fact; the most recent occurrence states the value
+            v = int(earlier[-1]) + 1
+            assert is_filler[row, v] and not is_filler[row, v + 1]  # stated after one filler (`zip 92181`)
+            v += 1
+            assert torch.equal(ids[row, v:v + end - p], ids[row, p:end]), (row, p)
+            asked += 1
+        assert mask[row, : starts[0]].sum() == 0
+    assert asked >= 12
+    # In a batch the drill rows are scored like copy drills: their values only.
+    examples = [{"input_ids": torch.arange(3, 43), "loss_mask": torch.ones(40, dtype=torch.long)}]
+    out = sft.add_drill_rows(sft.collate(examples, pad_id=0), *sft.recall_drills(1, 40, tokens, fillers,
+                                                                                 np.random.default_rng(1)))
+    assert out["copy_rows"].tolist() == [False, True] and out["loss_mask"][1].sum() > 0
+    with pytest.raises(train.ConfigError, match="recall_fraction"):
+        sft.SFTConfig(copy_fraction=0.5, recall_fraction=0.5).validate()
 
 
 def test_previous_token_heads_let_a_tiny_model_leave_the_copy_plateau():
