@@ -81,6 +81,30 @@ there), and the probability of the right name is about uniform over the 40 first
 a plateau, on which the gradient that would make a head attend there is proportional to the
 attention it already has, so weighting or repeating the examples scales a gradient near zero.
 
+Key-value recall drills (:func:`recall_drills`; ``recall_warmup_steps`` on drills alone, then
+``recall_fraction`` of each batch's rows) taught the first of these lookups, the zip code, and with
+it no reward. A drill states a few facts ``key SEP value`` among random tokens and asks the keys again
+after other separator tokens; the default layout (one separator in the fact, one or two in the
+question) is the zip code's. Measured on the recorded start (two threads, teacher-forced first tokens
+on the 60 test tasks as above): 400 steps of drills alone (16 rows of 256 tokens, lr 2e-3) took the
+drills' first value token from 7 % to 91 % right, and the zip code in the identity call from 1 to 21
+of 42 at once, while the rest of the episode fell apart (tool names 6 of 245); 300 steps on the expert
+episodes with a quarter of the rows drills restored it (tool names 232 of 245) and kept the zip
+(24 of 42); 300 more with ``value_loss_weight`` 10: zip 24, e-mail 5 of 36, first name 3, last name 2
+of 24, user ids 69 of 72, validation reward 0.075 and test reward 0.050 (60 x 2; the recorded start
+0.042). The same in one command (``--init-from runs/curve/sft --recall-warmup-steps 400
+--recall-fraction 0.25 --value-loss-weight 10``, rows of 128 tokens) had zip 23 of 42 at step 300.
+The reward does not move because a name-and-zip task also needs both names and an e-mail task the
+e-mail, and there the model still writes one fixed value (``liam`` for every e-mail, ``Leo`` for
+every first name): their cue is not the same token in the sentence and in the call (``am`` before a
+name; ``email is`` three tokens before the e-mail, where the call has ``"email": "``).
+Drills with one to three separators in the fact, the e-mail's layout, were learned more slowly
+(continuing the zip-drilled model: 32 % -> 65 % of their first value tokens in 600 steps) and, after
+300 steps on the expert episodes, did not carry over: e-mail 1 of 36 (user ids fell to 7 of 72).
+Mixed into the batches without a warm-up, drills with 1-3 separators on both sides were not learned
+(300 steps, 30 % or 50 % of the rows: 4 % of their first value tokens right). So the drills are off by
+default.
+
 Early stopping: every ``eval_every`` optimizer steps the policy plays held-out training tasks (the
 last ``val_tasks`` tasks of the ``"train"`` split, never in the SFT data) with the rollout settings of the GRPO
 run; training stops at the first evaluation whose mean reward reaches ``stop_at_reward`` (the paper's
@@ -137,7 +161,7 @@ class SFTConfig:
     context_loss_weight: float = 1.0  # weight of the loss on non-expert tokens (0: classic SFT)
     value_loss_weight: float = 1.0  # weight of the first token of each tool-call argument value (value_start_mask)
     copy_fraction: float = 0.1  # share of each batch's rows that are copy drills (add_copy_rows); 0: none
-    recall_fraction: float = 0.0  # share of each batch's rows that are key-value recall drills (recall_drills)
+    recall_fraction: float = 0.0  # about this share of each batch's rows are key-value recall drills (recall_drills)
     swap_names: float = 1.0  # share of the expert episodes whose people and places are renamed (swap_names)
     opening_copies: int = 0  # extra rows per episode of its opening, up to its first tool call (episode_openings)
     swap_numbers: float = 0.0  # share of the expert episodes whose numbers are renumbered (number_swap_group)
@@ -401,9 +425,20 @@ def copy_drills(rows: int, length: int, token_ids: torch.Tensor, rng: np.random.
 def copy_drill_batch(rows: int, length: int, token_ids: torch.Tensor, rng: np.random.Generator
                      ) -> dict[str, torch.Tensor]:
     """A batch of :func:`copy_drills` in the layout of :func:`collate` (all rows marked as drills)."""
-    ids, mask = copy_drills(rows, length, token_ids, rng)
+    return drill_batch(*copy_drills(rows, length, token_ids, rng))
+
+
+def drill_batch(ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Drill rows ``ids`` / ``mask`` as a batch in the layout of :func:`collate`, all marked in
+    ``copy_rows`` (:func:`sft_loss` scores only their masked tokens)."""
+    rows, length = ids.shape
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask,
             "position_ids": torch.arange(length).expand(rows, length), "copy_rows": torch.ones(rows, dtype=torch.bool)}
+
+
+def drill_row_count(rows: int, fraction: float) -> int:
+    """How many drill rows make about ``fraction`` of a batch of ``rows`` expert rows plus them (at least one)."""
+    return max(1, round(rows * fraction / (1 - fraction)))
 
 
 def add_copy_rows(batch: dict[str, torch.Tensor], fraction: float, token_ids: torch.Tensor,
@@ -417,21 +452,15 @@ def add_copy_rows(batch: dict[str, torch.Tensor], fraction: float, token_ids: to
     are the classic way to make them form; from random weights they need many steps to leave the
     loss plateau (see :func:`sinkflex_core.models.init_previous_token_heads`)."""
     B, L = batch["input_ids"].shape
-    n = max(1, round(B * fraction / (1 - fraction)))
-    return add_drill_rows(batch, *copy_drills(n, L, token_ids, rng))
+    return add_drill_rows(batch, *copy_drills(drill_row_count(B, fraction), L, token_ids, rng))
 
 
 def add_drill_rows(batch: dict[str, torch.Tensor], ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """``batch`` with drill rows ``ids`` / ``mask`` (as long as its rows) appended and marked in
     ``copy_rows``, where :func:`sft_loss` scores only their masked tokens."""
-    B, L = batch["input_ids"].shape
-    n = len(ids)
-    out = {"input_ids": torch.cat([batch["input_ids"], ids]),
-           "attention_mask": torch.cat([batch["attention_mask"], torch.ones_like(ids)]),
-           "loss_mask": torch.cat([batch["loss_mask"], mask.to(batch["loss_mask"].dtype)]),
-           "position_ids": torch.cat([batch["position_ids"], torch.arange(L).expand(n, L)])}
-    out["copy_rows"] = torch.cat([batch.get("copy_rows", torch.zeros(B, dtype=torch.bool)), torch.ones(n, dtype=torch.bool)])
-    return out
+    extra = drill_batch(ids, mask.to(batch["loss_mask"].dtype))
+    before = batch.get("copy_rows", torch.zeros(len(batch["input_ids"]), dtype=torch.bool))
+    return {k: torch.cat([before if k == "copy_rows" else batch[k], v]) for k, v in extra.items()}
 
 
 RECALL_FILLER_WORDS = ("is", "am", "are", "to", "of", "my", "the", "at", "in", "for")
@@ -454,15 +483,17 @@ def recall_drills(rows: int, length: int, token_ids: torch.Tensor, fillers: torc
                   rng: np.random.Generator, fact_fillers: tuple[int, int] = (1, 1),
                   ask_fillers: tuple[int, int] = (1, 2)) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` key-value recall drills of ``length`` tokens. A block states 2-6 facts ``key SEP
-    value`` (a key token, 1-3 of the ``fillers``, a value of 1-3 other tokens) among random tokens, then asks
-    each key again after *other* fillers, ``key SEP' value``; only those values are scored. Blocks
-    follow one another to the row's length (random tokens in front), each with its own keys.
+    value`` (a key token, ``fact_fillers`` (min, max) of the ``fillers``, a value of 1-3 other tokens)
+    among random tokens, then asks each key again after other fillers (``ask_fillers``), ``key SEP'
+    value``; only those values are scored. Blocks follow one another to the row's length (random
+    tokens in front), each with its own keys.
 
-    This is the lookup of the retail world's identity call: the customer writes ``zip 92181`` or
-    ``email is lucia...``, the call needs ``"zip": "92181"`` / ``"email": "lucia...``. The token just
-    before the value differs between the two (a space, ``is``, a quote), so plain induction (match
-    the current token, :func:`copy_drills`) does not find it: the model must match the key a few
-    tokens back. Returns ``(input_ids, loss_mask)``."""
+    This is the lookup of the retail world's identity call: the customer writes ``zip 92181``, a record
+    ``"zip":"92181"`` (one token between key and value), the call needs ``"zip": "92181"`` (two). The
+    token just before the value differs, so plain induction (match the current token,
+    :func:`copy_drills`) does not find it: the model must match the key two tokens back, which the
+    default layout drills. The e-mail (``email is lucia...``: three tokens) needs ``fact_fillers=(1, 3)``.
+    Returns ``(input_ids, loss_mask)``."""
     ids = torch.empty((rows, length), dtype=torch.long)
     mask = torch.zeros((rows, length), dtype=torch.float32)
     key_ids = token_ids[~torch.isin(token_ids, fillers)]
@@ -678,14 +709,8 @@ def recall_warmup(policy: TokenLogprobs, cfg: SFTConfig, token_ids: torch.Tensor
     """``cfg.recall_warmup_steps`` optimizer steps on :func:`recall_drills` alone, as
     :func:`copy_warmup` (rows of ``cfg.copy_warmup_length`` tokens). Returns the loss of every step."""
     rows, length = max(1, cfg.batch_tokens // cfg.copy_warmup_length), cfg.copy_warmup_length
-
-    def batch() -> dict[str, torch.Tensor]:
-        ids, mask = recall_drills(rows, length, token_ids, fillers, rng)
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask,
-                "position_ids": torch.arange(length).expand(rows, length),
-                "copy_rows": torch.ones(rows, dtype=torch.bool)}
-
-    return drill_warmup(policy, cfg, cfg.recall_warmup_steps, "recall warm-up", batch)
+    return drill_warmup(policy, cfg, cfg.recall_warmup_steps, "recall warm-up",
+                        lambda: drill_batch(*recall_drills(rows, length, token_ids, fillers, rng)))
 
 
 def drill_warmup(policy: TokenLogprobs, cfg: SFTConfig, steps: int, desc: str, make_batch) -> list[float]:
@@ -830,12 +855,11 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
                 if number_group:
                     rows = [swap_names(e, number_group, rng) if rng.random() < cfg.swap_numbers else e for e in rows]
                 batch = collate(rows, pad)
+                B, L = batch["input_ids"].shape
                 if cfg.copy_fraction:
                     batch = add_copy_rows(batch, cfg.copy_fraction, copy_tokens, rng)
                 if cfg.recall_fraction:
-                    B, L = batch["input_ids"].shape
-                    n = max(1, round(B * cfg.recall_fraction / (1 - cfg.recall_fraction)))
-                    batch = add_drill_rows(batch, *recall_drills(n, L, *recall, rng))
+                    batch = add_drill_rows(batch, *recall_drills(drill_row_count(B, cfg.recall_fraction), L, *recall, rng))
                 if value_tables is not None:
                     batch["value_mask"] = value_start_mask(batch["input_ids"], batch["loss_mask"], *value_tables)
                 for g in opt.param_groups:
