@@ -95,12 +95,13 @@ of 24, user ids 69 of 72, validation reward 0.075 and test reward 0.050 (60 x 2;
 0.042). The same in one command (``--init-from runs/curve/sft --recall-warmup-steps 400
 --recall-fraction 0.25 --value-loss-weight 10``, rows of 128 tokens) had zip 23 of 42 at step 300.
 The reward does not move because a name-and-zip task also needs both names and an e-mail task the
-e-mail, and there the model still writes one fixed value (``liam`` for every e-mail, ``Leo`` for
-every first name): their cue is not the same token in the sentence and in the call (``am`` before a
-name; ``email is`` three tokens before the e-mail, where the call has ``"email": "``).
+e-mail, and there the model still guesses (the one-command run at step 300 wrote ``liam`` for every
+e-mail and ``Leo`` for every first name; the run above, a handful of names, mostly wrong): their cue
+is not the same token in the sentence and in the call (``am`` before a name; ``email is`` three tokens
+before the e-mail, where the call has ``"email": "``).
 Drills with one to three separators in the fact, the e-mail's layout, were learned more slowly
 (continuing the zip-drilled model: 32 % -> 65 % of their first value tokens in 600 steps) and, after
-300 steps on the expert episodes, did not carry over: e-mail 1 of 36 (user ids fell to 7 of 72).
+300 steps on the expert episodes (a quarter of the rows zip-layout drills, value weight 10), did not carry over: e-mail 1 of 36 (user ids fell to 7 of 72).
 Mixed into the batches without a warm-up, drills with 1-3 separators on both sides were not learned
 (300 steps, 30 % or 50 % of the rows: 4 % of their first value tokens right). So the drills are off by
 default.
