@@ -101,7 +101,9 @@ is not the same token in the sentence and in the call (``am`` before a name; ``e
 before the e-mail, where the call has ``"email": "``).
 Drills with one to three separators in the fact, the e-mail's layout, were learned more slowly
 (continuing the zip-drilled model: 32 % -> 65 % of their first value tokens in 600 steps) and, after
-300 steps on the expert episodes (a quarter of the rows zip-layout drills, value weight 10), did not carry over: e-mail 1 of 36 (user ids fell to 7 of 72).
+300 steps on the expert episodes (a quarter of the rows drills, value weight 10), did not carry over,
+whether those drills had the zip's layout or the e-mail's (``recall_fact_fillers`` 3): e-mail 1 of
+36 both times, and user ids fell to 7 and 12 of 72.
 Mixed into the batches without a warm-up, drills with 1-3 separators on both sides were not learned
 (300 steps, 30 % or 50 % of the rows: 4 % of their first value tokens right). So the drills are off by
 default.
@@ -173,6 +175,8 @@ class SFTConfig:
     copy_warmup_length: int = 128  # tokens per drill row in that warm-up (and in the recall warm-up)
     recall_warmup_steps: int = 0  # optimizer steps on recall drills alone (recall_drills) before the SFT;
     #                               also with init_from
+    recall_fact_fillers: int = 1  # most separator tokens between a drill fact's key and value (1: `zip 92181`;
+    #                               3: also `email is lucia...`)
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
     weight_decay: float = 0.01
@@ -214,6 +218,8 @@ class SFTConfig:
             raise ConfigError(f"max_minutes must be > 0, got {self.max_minutes}")
         if not 0 <= self.copy_fraction < 1:
             raise ConfigError(f"copy_fraction must be in [0, 1), got {self.copy_fraction}")
+        if not (isinstance(self.recall_fact_fillers, int) and 1 <= self.recall_fact_fillers <= 4):
+            raise ConfigError(f"recall_fact_fillers must be an integer in [1, 4], got {self.recall_fact_fillers!r}")
         if not 0 <= self.recall_fraction < 1 or self.copy_fraction + self.recall_fraction >= 1:
             raise ConfigError(f"recall_fraction must be in [0, 1) and leave room for expert rows beside "
                               f"copy_fraction, got {self.recall_fraction}")
@@ -711,7 +717,8 @@ def recall_warmup(policy: TokenLogprobs, cfg: SFTConfig, token_ids: torch.Tensor
     :func:`copy_warmup` (rows of ``cfg.copy_warmup_length`` tokens). Returns the loss of every step."""
     rows, length = max(1, cfg.batch_tokens // cfg.copy_warmup_length), cfg.copy_warmup_length
     return drill_warmup(policy, cfg, cfg.recall_warmup_steps, "recall warm-up",
-                        lambda: drill_batch(*recall_drills(rows, length, token_ids, fillers, rng)))
+                        lambda: drill_batch(*recall_drills(rows, length, token_ids, fillers, rng,
+                                                           fact_fillers=(1, cfg.recall_fact_fillers))))
 
 
 def drill_warmup(policy: TokenLogprobs, cfg: SFTConfig, steps: int, desc: str, make_batch) -> list[float]:
@@ -860,7 +867,8 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
                 if cfg.copy_fraction:
                     batch = add_copy_rows(batch, cfg.copy_fraction, copy_tokens, rng)
                 if cfg.recall_fraction:
-                    batch = add_drill_rows(batch, *recall_drills(drill_row_count(B, cfg.recall_fraction), L, *recall, rng))
+                    batch = add_drill_rows(batch, *recall_drills(drill_row_count(B, cfg.recall_fraction), L, *recall,
+                                                                 rng, fact_fillers=(1, cfg.recall_fact_fillers)))
                 if value_tables is not None:
                     batch["value_mask"] = value_start_mask(batch["input_ids"], batch["loss_mask"], *value_tables)
                 for g in opt.param_groups:

@@ -275,6 +275,17 @@ def test_recall_drills_ask_each_key_again_after_other_fillers_and_score_its_valu
             asked += 1
         assert mask[row, : starts[0]].sum() == 0
     assert asked >= 12
+    # The e-mail's layout: three separators in the fact (`email is lucia`).
+    ids, mask = sft.recall_drills(2, 160, tokens, fillers, np.random.default_rng(2), fact_fillers=(3, 3))
+    for row in range(2):
+        for p in [p for p in mask[row].nonzero().flatten().tolist() if mask[row, p - 1] == 0]:
+            k = p - 1
+            while torch.isin(ids[row, k], fillers):
+                k -= 1
+            v = int((ids[row, :k] == ids[row, k]).nonzero().flatten()[-1]) + 1
+            assert torch.isin(ids[row, v:v + 3], fillers).all() and not torch.isin(ids[row, v + 3], fillers)
+    with pytest.raises(train.ConfigError, match="recall_fact_fillers"):
+        sft.SFTConfig(recall_fact_fillers=0).validate()
     # In a batch the drill rows are scored like copy drills: their values only.
     examples = [{"input_ids": torch.arange(3, 43), "loss_mask": torch.ones(40, dtype=torch.long)}]
     out = sft.add_drill_rows(sft.collate(examples, pad_id=0), *sft.recall_drills(1, 40, tokens, fillers,
