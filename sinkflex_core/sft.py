@@ -103,7 +103,11 @@ Drills with one to three separators in the fact, the e-mail's layout, were learn
 (continuing the zip-drilled model: 32 % -> 65 % of their first value tokens in 600 steps) and, after
 300 steps on the expert episodes (a quarter of the rows drills, value weight 10), did not carry over,
 whether those drills had the zip's layout or the e-mail's (``recall_fact_fillers`` 3): e-mail 1 of
-36 both times, and user ids fell to 7 and 12 of 72.
+36 both times, and user ids fell to 7 and 12 of 72. Turning layer 0's second KV group of the recorded
+start into heads that look three and four tokens back (:func:`sinkflex_core.models.init_previous_token_heads`
+with ``kv_head=1, offsets=(3, 4)``), so that the e-mail's key is in view of one head, broke what the
+start had: on those drills its loss fell from 12.5 to 7.4 in 50 steps and stayed there (7.2 at step
+350), with no value right after 400 steps.
 Mixed into the batches without a warm-up, drills with 1-3 separators on both sides were not learned
 (300 steps, 30 % or 50 % of the rows: 4 % of their first value tokens right). So the drills are off by
 default.
