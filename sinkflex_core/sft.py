@@ -728,7 +728,7 @@ def recall_warmup(policy: TokenLogprobs, cfg: SFTConfig, token_ids: torch.Tensor
 def drill_warmup(policy: TokenLogprobs, cfg: SFTConfig, steps: int, desc: str, make_batch) -> list[float]:
     """``steps`` optimizer steps on the batches ``make_batch()`` returns (learning rate ``cfg.lr``
     after a linear warm-up of ``cfg.warmup_steps``; its own AdamW, discarded after). Returns the
-    loss of every step."""
+    loss of every step and prints the first and last (stderr)."""
     model = policy.lm
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     losses = []
@@ -753,6 +753,10 @@ def drill_warmup(policy: TokenLogprobs, cfg: SFTConfig, steps: int, desc: str, m
     finally:
         if bar is not None:
             bar.close()
+    if losses:
+        tail = losses[-min(len(losses), 20):]
+        print(f"sft: {desc} {len(losses)} steps, loss {losses[0]:.3f} -> {sum(tail) / len(tail):.3f} "
+              f"(mean of the last {len(tail)})", file=sys.stderr)
     return losses
 
 
@@ -814,16 +818,10 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     special = set(tokenizer.all_special_ids)
     copy_tokens = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
     if cfg.copy_warmup_steps and not cfg.init_from:
-        losses = copy_warmup(policy, cfg, copy_tokens, rng)
-        tail = losses[-min(len(losses), 20):]
-        print(f"sft: copy warm-up {len(losses)} steps, loss {losses[0]:.3f} -> {sum(tail) / len(tail):.3f} "
-              f"(mean of the last {len(tail)})", file=sys.stderr)
+        copy_warmup(policy, cfg, copy_tokens, rng)
     recall = recall_tokens(tokenizer, data) if cfg.recall_fraction or cfg.recall_warmup_steps else None
     if cfg.recall_warmup_steps:
-        losses = recall_warmup(policy, cfg, *recall, rng)
-        tail = losses[-min(len(losses), 20):]
-        print(f"sft: recall warm-up {len(losses)} steps, loss {losses[0]:.3f} -> {sum(tail) / len(tail):.3f} "
-              f"(mean of the last {len(tail)})", file=sys.stderr)
+        recall_warmup(policy, cfg, *recall, rng)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     horizon = cfg.schedule_steps or cfg.max_steps
 
