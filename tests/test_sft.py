@@ -152,7 +152,7 @@ def test_value_start_mask_marks_the_first_token_of_each_tool_call_argument_and_w
 
 
 @pytest.mark.slow
-def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path):
+def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path, capsys):
     cfg = sft.SFTConfig(**{**SMALL, "train_tasks": 6, "max_steps": 30, "eval_every": 15, "lr": 3e-3,
                            "warmup_steps": 5, "stop_at_reward": 0.0, "max_total_tokens": 512, "max_turns": 3,
                            "max_new_tokens_per_turn": 24, "out_dir": str(tmp_path / "sft"),
@@ -160,6 +160,8 @@ def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path):
     result = sft.train_sft(cfg)
     hist = result.history
     assert result.steps == 30 and [h["step"] for h in hist] == [15, 30]
+    logged = capsys.readouterr().err  # no progress bar: the evaluations are printed
+    assert f"sft step 15: loss {hist[0]['loss']:.4f}, validation reward {hist[0]['val_reward']:.3f}" in logged
     # 30 steps over 6 conversations: the expert tokens become much more likely than at random init
     assert hist[-1]["loss"] < 0.6 * np.log(DEFAULT_VOCAB_SIZE)
     assert (tmp_path / "sft" / "model.safetensors").is_file() and (tmp_path / "sft" / "sft_history.csv").is_file()
