@@ -67,7 +67,8 @@ def write_sft_table(sft_dir: Path, hist: pd.DataFrame) -> None:
                         val_tasks=cfg["val_tasks"], eval_temperature=cfg["eval_temperature"], threads=cfg["threads"],
                         init_from=cfg.get("init_from", ""), value_loss_weight=cfg.get("value_loss_weight", 1.0),
                         recall_warmup_steps=cfg.get("recall_warmup_steps", 0),
-                        recall_fraction=cfg.get("recall_fraction", 0.0))
+                        recall_fraction=cfg.get("recall_fraction", 0.0),
+                        recall_fact_fillers=cfg.get("recall_fact_fillers", 1))
     for k, v in provenance().items():
         table[k] = v
     front = ["run", "seed", "step", "epoch", "loss", "lr", "val_reward", "val_success", "val_turns", "elapsed_s", "best"]
