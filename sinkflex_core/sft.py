@@ -713,26 +713,27 @@ def copy_warmup(policy: TokenLogprobs, cfg: SFTConfig, token_ids: torch.Tensor, 
     """``cfg.copy_warmup_steps`` optimizer steps on :func:`copy_drill_batch` alone (rows of
     ``cfg.copy_warmup_length`` tokens, ``cfg.batch_tokens`` per step; learning rate ``cfg.lr`` after
     a linear warm-up; its own AdamW, discarded after). Returns the loss of every step."""
-    rows = max(1, cfg.batch_tokens // cfg.copy_warmup_length)
     return drill_warmup(policy, cfg, cfg.copy_warmup_steps, "copy warm-up",
-                        lambda: copy_drill_batch(rows, cfg.copy_warmup_length, token_ids, rng))
+                        lambda rows, length: copy_drill_batch(rows, length, token_ids, rng))
 
 
 def recall_warmup(policy: TokenLogprobs, cfg: SFTConfig, token_ids: torch.Tensor, fillers: torch.Tensor,
                   rng: np.random.Generator) -> list[float]:
     """``cfg.recall_warmup_steps`` optimizer steps on :func:`recall_drills` alone, as
     :func:`copy_warmup` (rows of ``cfg.copy_warmup_length`` tokens). Returns the loss of every step."""
-    rows, length = max(1, cfg.batch_tokens // cfg.copy_warmup_length), cfg.copy_warmup_length
     return drill_warmup(policy, cfg, cfg.recall_warmup_steps, "recall warm-up",
-                        lambda: drill_batch(*recall_drills(rows, length, token_ids, fillers, rng,
+                        lambda rows, length: drill_batch(*recall_drills(rows, length, token_ids, fillers, rng,
                                                            fact_fillers=(1, cfg.recall_fact_fillers))))
 
 
 def drill_warmup(policy: TokenLogprobs, cfg: SFTConfig, steps: int, desc: str, make_batch) -> list[float]:
-    """``steps`` optimizer steps on the batches ``make_batch()`` returns (learning rate ``cfg.lr``
-    after a linear warm-up of ``cfg.warmup_steps``; its own AdamW, discarded after). Returns the
-    loss of every step and prints the first and last (stderr)."""
+    """``steps`` optimizer steps on the batches ``make_batch(rows, length)`` returns (rows of
+    ``cfg.copy_warmup_length`` tokens, ``cfg.batch_tokens`` per step; learning rate ``cfg.lr`` after a
+    linear warm-up of ``cfg.warmup_steps``; its own AdamW, discarded after). Returns the loss of every
+    step and prints the first and last (stderr)."""
     model = policy.lm
+    length = cfg.copy_warmup_length
+    rows = max(1, cfg.batch_tokens // length)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     losses = []
     bar = None
@@ -744,7 +745,7 @@ def drill_warmup(policy: TokenLogprobs, cfg: SFTConfig, steps: int, desc: str, m
         for step in range(steps):
             for g in opt.param_groups:
                 g["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
-            loss, _ = sft_loss(policy, make_batch())
+            loss, _ = sft_loss(policy, make_batch(rows, length))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
