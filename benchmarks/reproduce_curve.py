@@ -1,7 +1,8 @@
 """The paper's retail learning curve at small scale: SFT of a tiny Qwen2 policy on the oracle's
 trajectories (stopped early, near the paper's starting reward of 0.25), then GRPO with 3 seeds.
 
-    python benchmarks/reproduce_curve.py                    # SFT (cached in runs/curve/sft), seeds 0 1 2
+    python benchmarks/reproduce_curve.py                    # SFT (cached in runs/curve/sft and
+                                                            # runs/curve/sft_identity), seeds 0 1 2
     python benchmarks/reproduce_curve.py --parallel 3       # the seeds side by side, one thread each
     python benchmarks/reproduce_curve.py --smoke            # a minute: tiny settings, nothing written to data/
 
@@ -29,26 +30,19 @@ from sinkflex_core.paths import data_dir, repo_root
 PAPER_START, PAPER_END = 0.25, 0.44
 
 
-def run_sft(sft_dir: Path, smoke: bool, threads: int) -> Path:
-    """The shared SFT start: trained once, reused while its config is unchanged."""
-    cfg = sft.SFTConfig(out_dir=str(sft_dir), threads=threads)
+def run_sft(out_root: Path, smoke: bool, threads: int) -> Path:
+    """The shared SFT start, in two stages, each trained once and reused while its config is unchanged:
+    ``OUT_ROOT/sft`` (the SFT defaults), then ``OUT_ROOT/sft_identity`` (:func:`sinkflex_core.sft.identity_stage`).
+    Returns the second."""
+    cfg = sft.SFTConfig(out_dir=str(out_root / "sft"), threads=threads)
+    small = {}
     if smoke:
         cfg.hidden_size, cfg.num_layers, cfg.max_steps, cfg.eval_every = 64, 2, 4, 2
         cfg.train_tasks, cfg.val_tasks, cfg.batch_tokens, cfg.stop_at_reward = 12, 4, 4096, 0.0
         cfg.copy_warmup_steps, cfg.copy_warmup_length = 4, 64
-    done = sft_dir / "sft_config.json"
-    if done.is_file() and (sft_dir / "model.safetensors").is_file():
-        saved = json.loads(done.read_text())
-        if {k: v for k, v in saved.items() if k != "threads"} == \
-                {k: v for k, v in json.loads(json.dumps(cfg.__dict__)).items() if k != "threads"}:
-            print(f"SFT start: reusing {sft_dir} (same config)", flush=True)
-            return sft_dir
-    print(f"SFT start: training -> {sft_dir}", flush=True)
-    result = sft.train_sft(cfg)
-    last = result.history[-1]
-    print(f"SFT: {result.steps} steps, {last['elapsed_s'] / 60:.1f} min, validation reward {last['val_reward']:.3f}",
-          flush=True)
-    return sft_dir
+        small = {"identity_warmup_steps": 2, "identity_rows": 2, "max_steps": 2, "eval_every": 2}
+    base = sft.train_or_reuse(cfg)
+    return sft.train_or_reuse(sft.identity_stage(base, out_root / "sft_identity", **small))
 
 
 def write_sft_table(sft_dir: Path, hist: pd.DataFrame) -> None:
@@ -68,7 +62,9 @@ def write_sft_table(sft_dir: Path, hist: pd.DataFrame) -> None:
                         init_from=cfg.get("init_from", ""), value_loss_weight=cfg.get("value_loss_weight", 1.0),
                         recall_warmup_steps=cfg.get("recall_warmup_steps", 0),
                         recall_fraction=cfg.get("recall_fraction", 0.0),
-                        recall_fact_fillers=cfg.get("recall_fact_fillers", 1))
+                        recall_fact_fillers=cfg.get("recall_fact_fillers", 1),
+                        identity_warmup_steps=cfg.get("identity_warmup_steps", 0),
+                        identity_rows=cfg.get("identity_rows", 0))
     for k, v in provenance().items():
         table[k] = v
     front = ["run", "seed", "step", "epoch", "loss", "lr", "val_reward", "val_success", "val_turns", "elapsed_s", "best"]
@@ -87,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--out-root", default="runs/curve", help="SFT and GRPO run folders")
-    p.add_argument("--sft-dir", default=None, help="an existing SFT policy folder (default: OUT_ROOT/sft)")
+    p.add_argument("--sft-dir", default=None,
+                   help="an existing SFT policy folder (default: OUT_ROOT/sft continued into OUT_ROOT/sft_identity)")
     p.add_argument("--parallel", type=int, default=1, help="seeds run at once (each with 2/N threads)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="GRPO config override")
     p.add_argument("--smoke", action="store_true", help="tiny settings; prints, writes nothing to data/")
@@ -99,9 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         out_root = out_root / "smoke"
     threads = max(1, (os.cpu_count() or 2) // max(1, args.parallel))
-    sft_dir = Path(args.sft_dir) if args.sft_dir else out_root / "sft"
-    if not args.sft_dir:
-        run_sft(sft_dir, args.smoke, threads)
+    sft_dir = Path(args.sft_dir) if args.sft_dir else run_sft(out_root, args.smoke, threads)
     overrides = dict(kv.split("=", 1) for kv in args.set)
     if args.no_progress:
         overrides["progress"] = "false"

@@ -175,6 +175,8 @@ class SFTConfig:
     swap_names: float = 1.0  # share of the expert episodes whose people and places are renamed (swap_names)
     opening_copies: int = 0  # extra rows per episode of its opening, up to its first tool call (episode_openings)
     swap_numbers: float = 0.0  # share of the expert episodes whose numbers are renumbered (number_swap_group)
+    identity_rows: int = 0  # episode openings per optimizer step whose identity-call values add their own
+    #                         mean loss to the step's (identity_batch)
     # the next three apply to a new model only (skipped with init_from)
     previous_token_heads: bool = True  # start layer 0's first KV group as previous-token heads
     #                                    (models.init_previous_token_heads)
@@ -182,6 +184,8 @@ class SFTConfig:
     copy_warmup_length: int = 128  # tokens per drill row in that warm-up (and in the recall warm-up)
     recall_warmup_steps: int = 0  # optimizer steps on recall drills alone (recall_drills) before the SFT;
     #                               also with init_from
+    identity_warmup_steps: int = 0  # optimizer steps on identity_batch alone (about batch_tokens each) before
+    #                                 the SFT; also with init_from
     recall_fact_fillers: int = 1  # most separator tokens between a drill fact's key and value (1: `zip 92181`;
     #                               3: also `email is lucia...`)
     min_lr_ratio: float = 0.1
@@ -210,7 +214,7 @@ class SFTConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("train_tasks", "val_tasks", "warmup_steps", "min_steps", "threads", "schedule_steps",
                      "num_heads", "num_kv_heads", "copy_warmup_steps", "opening_copies",
-                     "recall_warmup_steps"):
+                     "recall_warmup_steps", "identity_warmup_steps", "identity_rows"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -324,6 +328,33 @@ def episode_openings(examples: list[dict[str, torch.Tensor]], tool_call_id: int)
         end = int(calls[0]) + int(after[0]) if len(after) else len(ids)
         out.append({"input_ids": ids[:end].clone(), "loss_mask": e["loss_mask"][:end].clone()})
     return out
+
+
+def identity_batch(openings: list[dict[str, torch.Tensor]], rows: int, rng: np.random.Generator, pad_id: int,
+                   value_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                   groups: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """``rows`` episode openings (:func:`episode_openings`) drawn at random, renamed with ``groups``
+    (:func:`swap_names`; none: as they are), as a batch in the layout of :func:`collate` whose loss
+    mask keeps only the first token of each value the expert writes in the opening's tool call
+    (:func:`value_start_mask`, tables from :func:`value_start_tokens`): the tool's name and the
+    identity lookup's e-mail, or first name, last name and zip code, read out of the customer's
+    sentence. All rows are marked in ``copy_rows``, so :func:`sft_loss` scores only those tokens and
+    averages over them.
+
+    A full episode has a few such tokens among about a thousand, and the tiny model learns the
+    conversation's form and copying from records long before it reads the customer's sentence; scored
+    alone, with a loss of their own, these lookups are learned in a few hundred steps (see the module
+    docstring)."""
+    if not openings:
+        raise ValueError("identity_batch needs at least one episode opening")
+    picked = [openings[int(i)] for i in rng.integers(0, len(openings), rows)]
+    if groups:
+        picked = [swap_names(e, groups, rng) for e in picked]
+    batch = collate(picked, pad_id)
+    batch["loss_mask"] = value_start_mask(batch["input_ids"], batch["loss_mask"], *value_tables).to(
+        batch["loss_mask"].dtype)
+    batch["copy_rows"] = torch.ones(rows, dtype=torch.bool)
+    return batch
 
 
 def length_batches(lengths: list[int], batch_tokens: int, rng: np.random.Generator) -> list[list[int]]:
@@ -726,6 +757,15 @@ def recall_warmup(policy: TokenLogprobs, cfg: SFTConfig, token_ids: torch.Tensor
                                                            fact_fillers=(1, cfg.recall_fact_fillers))))
 
 
+def identity_warmup(policy: TokenLogprobs, cfg: SFTConfig, openings: list[dict[str, torch.Tensor]],
+                    groups: list[torch.Tensor], pad_id: int, value_tables, rng: np.random.Generator) -> list[float]:
+    """``cfg.identity_warmup_steps`` optimizer steps on :func:`identity_batch` alone, as
+    :func:`copy_warmup` (about ``cfg.batch_tokens`` real tokens per step). Returns the loss of every step."""
+    rows = max(1, round(cfg.batch_tokens / np.mean([len(e["input_ids"]) for e in openings])))
+    return drill_warmup(policy, cfg, cfg.identity_warmup_steps, "identity warm-up",
+                        lambda *_: identity_batch(openings, rows, rng, pad_id, value_tables, groups))
+
+
 def drill_warmup(policy: TokenLogprobs, cfg: SFTConfig, steps: int, desc: str, make_batch) -> list[float]:
     """``steps`` optimizer steps on the batches ``make_batch(rows, length)`` returns (rows of
     ``cfg.copy_warmup_length`` tokens, ``cfg.batch_tokens`` per step; learning rate ``cfg.lr`` after a
@@ -801,8 +841,12 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
                            cache_dir=build_dir() / "sft_cache")
     if not data:
         raise RuntimeError("the oracle solved none of the training tasks: no expert data")
-    if cfg.opening_copies:
+    openings = []
+    if cfg.opening_copies or cfg.identity_rows or cfg.identity_warmup_steps:
         openings = episode_openings(data, tokenizer.convert_tokens_to_ids("<tool_call>"))
+        if not openings:
+            raise RuntimeError("no expert episode calls a tool: no episode openings for the identity lookup")
+    if cfg.opening_copies:
         data = data + openings * cfg.opening_copies
         print(f"sft: {len(openings)} episode openings x {cfg.opening_copies} added "
               f"({sum(len(e['input_ids']) for e in openings) * cfg.opening_copies:,} tokens)", file=sys.stderr)
@@ -826,6 +870,18 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     recall = recall_tokens(tokenizer, data) if cfg.recall_fraction or cfg.recall_warmup_steps else None
     if cfg.recall_warmup_steps:
         recall_warmup(policy, cfg, *recall, rng)
+    pad = tokenizer.pad_token_id or 0
+    swap_groups = []
+    if cfg.swap_names:
+        swap_groups = name_swap_groups(tokenizer, data)
+        print(f"sft: renaming {cfg.swap_names:.0%} of the episodes; words per group: "
+              f"{[len(g) for g in swap_groups]}", file=sys.stderr)
+    tables = value_start_tokens(tokenizer) if cfg.value_loss_weight != 1.0 or openings else None
+    # identity batches are renamed and renumbered: a training user's order id is otherwise a key to
+    # remembering their zip code
+    identity_groups = swap_groups + [number_swap_group(tokenizer)] if openings else []
+    if cfg.identity_warmup_steps:
+        identity_warmup(policy, cfg, openings, identity_groups, pad, tables, rng)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     horizon = cfg.schedule_steps or cfg.max_steps
 
@@ -838,13 +894,6 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     out_dir = Path(cfg.out_dir) if save else None
     history: list[dict] = []
     lengths = [len(e["input_ids"]) for e in data]
-    pad = tokenizer.pad_token_id or 0
-    value_tables = value_start_tokens(tokenizer) if cfg.value_loss_weight != 1.0 else None
-    swap_groups = []
-    if cfg.swap_names:
-        swap_groups = name_swap_groups(tokenizer, data)
-        print(f"sft: renaming {cfg.swap_names:.0%} of the episodes; words per group: "
-              f"{[len(g) for g in swap_groups]}", file=sys.stderr)
     number_group = [number_swap_group(tokenizer)] if cfg.swap_numbers else []
     if number_group and len(number_group[0]) < 2:
         number_group = []
@@ -859,7 +908,7 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     t0 = time.perf_counter()
     step, epoch, stopped, done = 0, 0, False, False
     best_reward, best_state = -1.0, None
-    loss_sum, tok_sum = 0.0, 0
+    loss_sum, tok_sum, id_sum, id_steps = 0.0, 0, 0.0, 0
     try:
         while not done:
             for idx in length_batches(lengths, cfg.batch_tokens, rng):
@@ -875,21 +924,27 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
                 if cfg.recall_fraction:
                     batch = add_drill_rows(batch, *recall_drills(drill_row_count(B, cfg.recall_fraction), L, *recall,
                                                                  rng, fact_fillers=(1, cfg.recall_fact_fillers)))
-                if value_tables is not None:
-                    batch["value_mask"] = value_start_mask(batch["input_ids"], batch["loss_mask"], *value_tables)
+                if cfg.value_loss_weight != 1.0:
+                    batch["value_mask"] = value_start_mask(batch["input_ids"], batch["loss_mask"], *tables)
                 for g in opt.param_groups:
                     g["lr"] = lr_at(step)
                 loss, n = sft_loss(policy, batch, cfg.context_loss_weight, cfg.value_loss_weight)
+                expert_loss = loss.item()
+                if cfg.identity_rows:
+                    id_loss, _ = sft_loss(policy, identity_batch(openings, cfg.identity_rows, rng, pad, tables,
+                                                                 identity_groups))
+                    id_sum, id_steps = id_sum + id_loss.item(), id_steps + 1
+                    loss = loss + id_loss
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 step += 1
-                loss_sum += loss.item() * n
+                loss_sum += expert_loss * n
                 tok_sum += n
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+                    bar.set_postfix(loss=f"{expert_loss:.3f}", refresh=False)
                 done = step >= cfg.max_steps or (time.perf_counter() - t0) / 60 >= cfg.max_minutes
                 if step % cfg.eval_every == 0 or done:
                     ev = evaluate_policy(model, tokenizer, cfg, val_ids, samples=cfg.eval_samples,
@@ -897,8 +952,10 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
                     row = {"step": step, "epoch": epoch, "loss": loss_sum / max(1, tok_sum), "lr": lr_at(step),
                            "val_reward": ev["reward"], "val_success": ev["success"], "val_turns": ev["turns"],
                            "elapsed_s": time.perf_counter() - t0, "best": False}
+                    if cfg.identity_rows:  # the mean loss of the identity batches since the last evaluation
+                        row["identity_loss"] = id_sum / max(1, id_steps)
                     history.append(row)
-                    loss_sum, tok_sum = 0.0, 0
+                    loss_sum, tok_sum, id_sum, id_steps = 0.0, 0, 0.0, 0
                     if cfg.keep_best and ev["reward"] >= best_reward:
                         best_reward = ev["reward"]
                         best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -933,6 +990,52 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
         _write_history(out_dir / "sft_history.csv", history)
     return SFTResult(model=model, tokenizer=tokenizer, history=history, steps=step, stopped_early=stopped,
                      out_dir=out_dir)
+
+
+#: The second stage of the recorded SFT start (:func:`identity_stage`): continue a finished SFT run
+#: with the identity lookup scored on its own (:func:`identity_batch`).
+IDENTITY_STAGE = {"identity_warmup_steps": 600, "identity_rows": 8, "max_steps": 500, "eval_every": 250}
+
+
+def identity_stage(base_dir: str | Path, out_dir: str | Path, **overrides) -> SFTConfig:
+    """The config of the identity stage: :data:`IDENTITY_STAGE` on top of the saved config of the SFT
+    run in ``base_dir`` (``init_from`` it), writing to ``out_dir``; ``overrides`` last. The recorded
+    start of the small-scale reproduction is ``runs/curve/sft`` (the defaults) continued this way
+    into ``runs/curve/sft_identity``; on the command line::
+
+        python -m sinkflex_core.sft --init-from runs/curve/sft --identity-warmup-steps 600 \\
+            --identity-rows 8 --max-steps 500 --eval-every 250 --out-dir runs/curve/sft_identity
+    """
+    saved = json.loads((Path(base_dir) / "sft_config.json").read_text())
+    fields = {f.name for f in dataclasses.fields(SFTConfig)}
+    values = {k: v for k, v in saved.items() if k in fields}
+    values.update(IDENTITY_STAGE, init_from=str(base_dir), out_dir=str(out_dir), **overrides)
+    return SFTConfig(**values)
+
+
+def train_or_reuse(cfg: SFTConfig) -> Path:
+    """Train ``cfg`` into ``cfg.out_dir`` unless that folder already holds a policy trained with the
+    same config (``threads``, ``progress``, ``out_dir`` and ``save_snapshots`` aside; a field the saved
+    config lacks, added since, counts as its default); returns the folder."""
+    out = Path(cfg.out_dir)
+    done = out / "sft_config.json"
+    fields = {f.name for f in dataclasses.fields(SFTConfig)}
+
+    def key(values: dict) -> dict:
+        return {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(SFTConfig(**values)))).items()
+                if k not in ("threads", "progress", "out_dir", "save_snapshots")}
+
+    if done.is_file() and (out / "model.safetensors").is_file():
+        saved = {k: v for k, v in json.loads(done.read_text()).items() if k in fields}
+        if key(saved) == key(dataclasses.asdict(cfg)):
+            print(f"SFT: reusing {out} (same config)", file=sys.stderr, flush=True)
+            return out
+    print(f"SFT: training -> {out}", file=sys.stderr, flush=True)
+    result = train_sft(cfg)
+    last = result.history[-1]
+    print(f"SFT: {result.steps} steps, {last['elapsed_s'] / 60:.1f} min, validation reward {last['val_reward']:.3f}",
+          file=sys.stderr, flush=True)
+    return out
 
 
 def _write_history(path: Path, rows: list[dict]) -> None:

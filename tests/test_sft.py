@@ -186,8 +186,18 @@ def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path, caps
     extra = sft.train_sft(sft.SFTConfig(**{**cfg.__dict__, "init_from": str(tmp_path / "sft"), "max_steps": 2,
                                            "eval_every": 2, "out_dir": str(tmp_path / "sft3"), "opening_copies": 2,
                                            "value_loss_weight": 10.0, "swap_numbers": 1.0, "recall_warmup_steps": 2,
-                                           "recall_fraction": 0.2}))
+                                           "recall_fraction": 0.2, "identity_warmup_steps": 2, "identity_rows": 2}))
     assert extra.steps == 2 and np.isfinite(extra.history[-1]["loss"])
+    assert np.isfinite(extra.history[-1]["identity_loss"]) and "identity warm-up 2 steps" in capsys.readouterr().err
+    # the two-stage start: the identity stage continues a saved run; a finished run with the same config is reused
+    stage = sft.identity_stage(tmp_path / "sft", tmp_path / "sft4", max_steps=3, threads=2)
+    assert (stage.init_from, stage.out_dir, stage.hidden_size, stage.max_total_tokens) == \
+        (str(tmp_path / "sft"), str(tmp_path / "sft4"), 64, 512)
+    assert (stage.identity_warmup_steps, stage.identity_rows, stage.max_steps) == \
+        (sft.IDENTITY_STAGE["identity_warmup_steps"], sft.IDENTITY_STAGE["identity_rows"], 3)
+    stamp = (tmp_path / "sft" / "model.safetensors").stat().st_mtime_ns
+    assert sft.train_or_reuse(sft.SFTConfig(**{**cfg.__dict__, "threads": 2, "progress": True})) == tmp_path / "sft"
+    assert "reusing" in capsys.readouterr().err and (tmp_path / "sft" / "model.safetensors").stat().st_mtime_ns == stamp
 
 
 def test_expert_token_accuracy_counts_numbers_and_scores_a_model(tokenizer):
@@ -377,6 +387,42 @@ def test_episode_openings_end_with_the_first_tool_call(tokenizer):
     assert sft.episode_openings([no_call], call_id) == []
     with pytest.raises(sft.ConfigError, match="opening_copies"):
         sft.SFTConfig(opening_copies=-1).validate()
+
+
+def test_identity_batch_scores_the_tool_name_and_the_values_read_from_the_customer(tokenizer):
+    cfg = sft.SFTConfig(**{**SMALL, "max_total_tokens": 1 << 16})
+    examples = sft.expert_examples(tokenizer, cfg, list(range(12)))
+    openings = sft.episode_openings(examples, tokenizer.convert_tokens_to_ids("<tool_call>"))
+    groups = sft.name_swap_groups(tokenizer, examples) + [sft.number_swap_group(tokenizer)]  # as train_sft does
+    tables = sft.value_start_tokens(tokenizer)
+    batch = sft.identity_batch(openings, 16, np.random.default_rng(0), tokenizer.pad_token_id, tables, groups)
+    assert batch["input_ids"].shape[0] == 16 and batch["copy_rows"].all()
+    texts = sft.token_texts(tokenizer)
+    kinds = set()
+    for ids, att, mask in zip(batch["input_ids"], batch["attention_mask"], batch["loss_mask"]):
+        n = int(att.sum())
+        assert att[:n].all() and not att[n:].any() and not mask[n:].any()
+        call = tokenizer.decode(ids[:n]).rsplit("<tool_call>", 1)[1]
+        scored = mask.nonzero().flatten().tolist()
+        assert texts[int(ids[scored[0]])] == "find"  # the tool's name: find_user_id_by_...
+        customer = tokenizer.decode(ids[:scored[0]]).rsplit("<|im_start|>user", 1)[1]
+        assert len(scored) == (4 if "by_name_zip" in call else 2)
+        for p in scored[1:]:  # e-mail / first name, last name, zip: the customer's own words
+            kinds.add(texts[int(ids[p - 3])])
+            assert texts[int(ids[p])].strip() in customer
+            assert mask[p] == 1 and int(ids[p]) in ids[:scored[0]].tolist()
+    assert {"email", "name", "zip"} <= kinds
+    # without groups the rows are the openings as they are; with them, renamed
+    originals = {tuple(op["input_ids"].tolist()) for op in openings}
+    plain = sft.identity_batch(openings, 16, np.random.default_rng(0), tokenizer.pad_token_id, tables)
+    assert all(tuple(ids[:int(att.sum())].tolist()) in originals
+               for ids, att in zip(plain["input_ids"], plain["attention_mask"]))
+    assert sum(tuple(ids[:int(att.sum())].tolist()) not in originals
+               for ids, att in zip(batch["input_ids"], batch["attention_mask"])) >= 12
+    with pytest.raises(ValueError, match="opening"):
+        sft.identity_batch([], 2, np.random.default_rng(0), 0, tables)
+    with pytest.raises(sft.ConfigError, match="identity_rows"):
+        sft.SFTConfig(identity_rows=-1).validate()
 
 
 def test_swap_numbers_renumbers_every_id_and_zip_the_same_way_everywhere(tokenizer):
