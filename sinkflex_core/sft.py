@@ -997,6 +997,13 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
 IDENTITY_STAGE = {"identity_warmup_steps": 600, "identity_rows": 8, "max_steps": 500, "eval_every": 250}
 
 
+def saved_config(folder: str | Path) -> dict:
+    """The fields of :class:`SFTConfig` in ``folder``'s ``sft_config.json`` (others, from older or newer
+    versions, dropped)."""
+    fields = {f.name for f in dataclasses.fields(SFTConfig)}
+    return {k: v for k, v in json.loads((Path(folder) / "sft_config.json").read_text()).items() if k in fields}
+
+
 def identity_stage(base_dir: str | Path, out_dir: str | Path, **overrides) -> SFTConfig:
     """The config of the identity stage: :data:`IDENTITY_STAGE` on top of the saved config of the SFT
     run in ``base_dir`` (``init_from`` it), writing to ``out_dir``; ``overrides`` last. The recorded
@@ -1006,9 +1013,7 @@ def identity_stage(base_dir: str | Path, out_dir: str | Path, **overrides) -> SF
         python -m sinkflex_core.sft --init-from runs/curve/sft --identity-warmup-steps 600 \\
             --identity-rows 8 --max-steps 500 --eval-every 250 --out-dir runs/curve/sft_identity
     """
-    saved = json.loads((Path(base_dir) / "sft_config.json").read_text())
-    fields = {f.name for f in dataclasses.fields(SFTConfig)}
-    values = {k: v for k, v in saved.items() if k in fields}
+    values = saved_config(base_dir)
     values.update(IDENTITY_STAGE, init_from=str(base_dir), out_dir=str(out_dir), **overrides)
     return SFTConfig(**values)
 
@@ -1018,16 +1023,13 @@ def train_or_reuse(cfg: SFTConfig) -> Path:
     same config (``threads``, ``progress``, ``out_dir`` and ``save_snapshots`` aside; a field the saved
     config lacks, added since, counts as its default); returns the folder."""
     out = Path(cfg.out_dir)
-    done = out / "sft_config.json"
-    fields = {f.name for f in dataclasses.fields(SFTConfig)}
 
     def key(values: dict) -> dict:
         return {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(SFTConfig(**values)))).items()
                 if k not in ("threads", "progress", "out_dir", "save_snapshots")}
 
-    if done.is_file() and (out / "model.safetensors").is_file():
-        saved = {k: v for k, v in json.loads(done.read_text()).items() if k in fields}
-        if key(saved) == key(dataclasses.asdict(cfg)):
+    if (out / "sft_config.json").is_file() and (out / "model.safetensors").is_file():
+        if key(saved_config(out)) == key(dataclasses.asdict(cfg)):
             print(f"SFT: reusing {out} (same config)", file=sys.stderr, flush=True)
             return out
     print(f"SFT: training -> {out}", file=sys.stderr, flush=True)
