@@ -5,6 +5,7 @@ trajectories (stopped early, near the paper's starting reward of 0.25), then GRP
                                                             # runs/curve/sft_identity), seeds 0 1 2
     python benchmarks/reproduce_curve.py --parallel 3       # the seeds side by side, one thread each
     python benchmarks/reproduce_curve.py --smoke            # a minute: tiny settings, nothing written to data/
+    python benchmarks/reproduce_curve.py --record-only      # rewrite data/ from the finished runs
 
 Writes ``data/reward_curve.csv`` (the test-reward curve of every seed, long format, with provenance)
 and ``data/reward_curve_seed{N}.csv`` (every per-step metric of that seed's run), then prints the
@@ -45,30 +46,65 @@ def run_sft(out_root: Path, smoke: bool, threads: int) -> Path:
     return sft.train_or_reuse(sft.identity_stage(base, out_root / "sft_identity", **small))
 
 
-def write_sft_table(sft_dir: Path, hist: pd.DataFrame) -> None:
-    """``data/reward_curve_sft.csv``: every evaluation of the SFT start, with its settings and provenance."""
+def sft_stages(sft_dir: Path) -> list[Path]:
+    """The SFT runs behind ``sft_dir``, first to last: ``sft_dir`` and, while a run was initialised
+    from another SFT run folder (``init_from`` with an ``sft_history.csv``), that one before it."""
+    chain = [sft_dir]
+    while True:
+        prev = sft.saved_config(chain[0]).get("init_from") or ""
+        if not prev or not (Path(prev) / "sft_history.csv").is_file() or Path(prev) in chain:
+            return chain
+        chain.insert(0, Path(prev))
+
+
+def write_sft_table(stages: list[Path]) -> pd.DataFrame:
+    """``data/reward_curve_sft.csv``: every evaluation of each SFT stage (``run``: the folder's name;
+    ``step`` counts within the stage, ``total_step`` from the first stage's start), with its settings
+    and provenance. Returns the table."""
     from transformers import AutoModelForCausalLM
 
     from sinkflex_core.provenance import provenance
 
-    cfg = json.loads((sft_dir / "sft_config.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(sft_dir)
-    mcfg, n_params = model.config, sum(p.numel() for p in model.parameters())
-    table = hist.assign(run="sft", seed=cfg["seed"], peak_lr=cfg["lr"], hidden_size=mcfg.hidden_size,
-                        num_layers=mcfg.num_hidden_layers, num_heads=mcfg.num_attention_heads, parameters=n_params,
-                        expert_split=cfg.get("expert_split", "train"), expert_tasks=cfg["train_tasks"] or "all",
-                        batch_tokens=cfg["batch_tokens"], context_loss_weight=cfg["context_loss_weight"],
-                        val_tasks=cfg["val_tasks"], eval_temperature=cfg["eval_temperature"], threads=cfg["threads"],
-                        init_from=cfg.get("init_from", ""), value_loss_weight=cfg.get("value_loss_weight", 1.0),
-                        recall_warmup_steps=cfg.get("recall_warmup_steps", 0),
-                        recall_fraction=cfg.get("recall_fraction", 0.0),
-                        recall_fact_fillers=cfg.get("recall_fact_fillers", 1),
-                        identity_warmup_steps=cfg.get("identity_warmup_steps", 0),
-                        identity_rows=cfg.get("identity_rows", 0))
+    tables, offset = [], 0
+    for folder in stages:
+        hist = pd.read_csv(folder / "sft_history.csv")
+        cfg = sft.saved_config(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        mcfg, n_params = model.config, sum(p.numel() for p in model.parameters())
+        tables.append(hist.assign(
+            run=folder.name, total_step=hist["step"] + offset, seed=cfg["seed"], peak_lr=cfg["lr"],
+            hidden_size=mcfg.hidden_size, num_layers=mcfg.num_hidden_layers, num_heads=mcfg.num_attention_heads,
+            parameters=n_params, expert_split=cfg["expert_split"], expert_tasks=cfg["train_tasks"] or "all",
+            batch_tokens=cfg["batch_tokens"], context_loss_weight=cfg["context_loss_weight"],
+            val_tasks=cfg["val_tasks"], eval_temperature=cfg["eval_temperature"], threads=cfg["threads"],
+            init_from=Path(cfg["init_from"]).name if cfg["init_from"] else "",
+            value_loss_weight=cfg["value_loss_weight"], recall_warmup_steps=cfg["recall_warmup_steps"],
+            recall_fraction=cfg["recall_fraction"], recall_fact_fillers=cfg["recall_fact_fillers"],
+            identity_warmup_steps=cfg["identity_warmup_steps"], identity_rows=cfg["identity_rows"]))
+        offset += int(hist["step"].iloc[-1])
+    table = pd.concat(tables, ignore_index=True)
     for k, v in provenance().items():
         table[k] = v
-    front = ["run", "seed", "step", "epoch", "loss", "lr", "val_reward", "val_success", "val_turns", "elapsed_s", "best"]
-    table[front + [c for c in table.columns if c not in front]].to_csv(data_dir() / "reward_curve_sft.csv", index=False)
+    front = ["run", "seed", "step", "total_step", "epoch", "loss", "lr", "val_reward", "val_success", "val_turns",
+             "elapsed_s", "best"]
+    table = table[[c for c in front if c in table] + [c for c in table.columns if c not in front]]
+    table.to_csv(data_dir() / "reward_curve_sft.csv", index=False)
+    return table
+
+
+def sft_summary(stages: list[Path]) -> dict:
+    """The columns every GRPO row carries about its start: the chosen step of the last stage counted
+    from the first stage's start, its validation reward, and the minutes of all stages."""
+    steps, minutes, extra = 0, 0.0, {}
+    for folder in stages:
+        hist = pd.read_csv(folder / "sft_history.csv")
+        if not len(hist):
+            continue
+        chosen = hist[hist["best"]].iloc[-1] if "best" in hist and hist["best"].any() else hist.iloc[-1]
+        extra = {"sft_steps": steps + int(chosen["step"]), "sft_val_reward": float(chosen["val_reward"])}
+        steps += int(hist["step"].iloc[-1])
+        minutes += float(hist["elapsed_s"].iloc[-1]) / 60
+    return {**extra, "sft_minutes": round(minutes, 2)} if extra else {}
 
 
 def grpo_config(sft_dir: Path, seed: int, out_dir: Path, smoke: bool, threads: int, overrides: dict):
@@ -89,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="GRPO config override")
     p.add_argument("--smoke", action="store_true", help="tiny settings; prints, writes nothing to data/")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--record-only", action="store_true",
+                   help="train nothing: write data/ from the finished runs in OUT_ROOT (pass the --sft-dir, "
+                        "--seeds and --parallel they ran with)")
     args = p.parse_args(argv)
 
     root = repo_root()
@@ -96,6 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         out_root = out_root / "smoke"
     threads = max(1, (os.cpu_count() or 2) // max(1, args.parallel))
+    if args.record_only:
+        sft_dir = Path(args.sft_dir) if args.sft_dir else out_root / "sft_identity"
+        missing = [str(d) for d in [sft_dir] + [out_root / f"grpo_seed{s}" for s in args.seeds]
+                   if not d.is_dir()]
+        if missing:
+            p.error(f"--record-only: no finished run in {', '.join(missing)}")
+        return record(out_root, sft_dir, args.seeds, args.parallel, args.smoke)
     sft_dir = Path(args.sft_dir) if args.sft_dir else run_sft(out_root, args.smoke, threads)
     overrides = dict(kv.split("=", 1) for kv in args.set)
     if args.no_progress:
@@ -128,26 +174,26 @@ def main(argv: list[str] | None = None) -> int:
                     print((run_dir / "train.log").read_text()[-3000:], file=sys.stderr)
                     return proc.returncode
 
-    sft_hist = pd.read_csv(sft_dir / "sft_history.csv") if (sft_dir / "sft_history.csv").is_file() else None
-    sft_extra = {}
-    if sft_hist is not None and len(sft_hist):
-        chosen = sft_hist[sft_hist["best"]].iloc[-1] if "best" in sft_hist and sft_hist["best"].any() \
-            else sft_hist.iloc[-1]
-        sft_extra = {"sft_steps": int(chosen["step"]), "sft_val_reward": float(chosen["val_reward"]),
-                     "sft_minutes": round(float(sft_hist["elapsed_s"].iloc[-1]) / 60, 2)}
-        if not args.smoke:
-            write_sft_table(sft_dir, sft_hist)
+    return record(out_root, sft_dir, args.seeds, args.parallel, args.smoke)
+
+
+def record(out_root: Path, sft_dir: Path, seeds: list[int], parallel: int, smoke: bool) -> int:
+    """Write the data/ tables from the finished runs (nothing when ``smoke``) and print the summary."""
+    stages = [p for p in sft_stages(sft_dir) if (p / "sft_history.csv").is_file()]
+    sft_extra = sft_summary(stages)
+    if stages and not smoke:
+        write_sft_table(stages)
     tables = []
-    for seed in args.seeds:
+    for seed in seeds:
         run_dir = out_root / f"grpo_seed{seed}"
-        df = train.curve_table(run_dir, seed, parallel_runs=args.parallel, **sft_extra)
+        df = train.curve_table(run_dir, seed, parallel_runs=parallel, **sft_extra)
         tables.append(df)
-        if not args.smoke:
+        if not smoke:
             df.to_csv(data_dir() / f"reward_curve_seed{seed}.csv", index=False)
     full = pd.concat(tables, ignore_index=True)
     curve = full[full["eval_reward"].notna()]
     keep = train.CURVE_COLUMNS + [c for c in full.columns if c not in train.METRIC_COLUMNS and c != "seed"]
-    if not args.smoke:
+    if not smoke:
         curve[keep].to_csv(data_dir() / "reward_curve.csv", index=False)
     summary = train.summarize_curves(full)
     pd.set_option("display.width", 160)
@@ -158,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ngain over {len(gain)} seed(s): mean {gain.mean():+.3f}, min {gain.min():+.3f}, max {gain.max():+.3f} "
           f"(paper: {PAPER_START:.2f} -> {PAPER_END:.2f}, {PAPER_END - PAPER_START:+.2f}); start mean "
           f"{per_seed['start'].mean():.3f}, end mean {per_seed['end'].mean():.3f}")
-    if not args.smoke:
+    if not smoke:
         print(f"written: {data_dir() / 'reward_curve.csv'} and reward_curve_seed*.csv")
     return 0
 

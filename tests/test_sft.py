@@ -4,6 +4,8 @@ policy loads into the GRPO trainer."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -198,6 +200,21 @@ def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path, caps
     stamp = (tmp_path / "sft" / "model.safetensors").stat().st_mtime_ns
     assert sft.train_or_reuse(sft.SFTConfig(**{**cfg.__dict__, "threads": 2, "progress": True})) == tmp_path / "sft"
     assert "reusing" in capsys.readouterr().err and (tmp_path / "sft" / "model.safetensors").stat().st_mtime_ns == stamp
+    # the benchmark's SFT table follows init_from back through the stages, steps counted on from stage to stage
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "reproduce_curve", Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce_curve.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    stages = bench.sft_stages(tmp_path / "sft2")
+    assert stages == [tmp_path / "sft", tmp_path / "sft2"]
+    bench.data_dir = lambda: tmp_path
+    table = bench.write_sft_table(stages)
+    assert list(table["run"]) == ["sft", "sft", "sft2"] and list(table["total_step"]) == [15, 30, 32]
+    assert list(table["init_from"]) == ["", "", "sft"] and (tmp_path / "reward_curve_sft.csv").is_file()
+    summary = bench.sft_summary(stages)
+    assert (summary["sft_steps"], summary["sft_val_reward"]) == (32, more.history[-1]["val_reward"])
 
 
 def test_expert_token_accuracy_counts_numbers_and_scores_a_model(tokenizer):
