@@ -691,24 +691,30 @@ def swap_names(example: dict[str, torch.Tensor], groups: list[torch.Tensor], rng
 def expert_token_accuracy(model, tokenizer, examples: list[dict[str, torch.Tensor]], batch_tokens: int = 8192) -> dict:
     """Teacher-forced greedy accuracy on the expert's tokens, by kind: the first token of a number
     (an order, item or payment id, a zip, a price: the token that says *which* value is copied),
-    the following tokens of a number, and every other expert token. Returns accuracies and counts.
+    the following tokens of a number, and every other expert token; across those, the first token
+    of each value the expert writes in its first tool call (``identity_call``: the tool's name and
+    the e-mail, or first name, last name and zip, read out of the customer's sentence;
+    :func:`value_start_mask`). Returns accuracies and counts.
 
     Where a policy's rollouts fail is usually visible here: a tiny model may continue a number it
     started well and still rarely start the right one."""
     digit = torch.zeros(max(len(tokenizer), int(model.get_output_embeddings().weight.shape[0])), dtype=torch.bool)
     for tok_id, text in enumerate(token_texts(tokenizer)):
         digit[tok_id] = bool(text) and text.isdigit()
+    tables = value_start_tokens(tokenizer)
+    tool_call_id = tokenizer.convert_tokens_to_ids("<tool_call>")
     was_training = model.training
     model.eval()
-    hits = {"number_start": 0, "number_rest": 0, "other": 0}
+    hits = {"number_start": 0, "number_rest": 0, "other": 0, "identity_call": 0}
     counts = dict.fromkeys(hits, 0)
     lengths = [len(e["input_ids"]) for e in examples]
     try:
         for idx in length_batches(lengths, batch_tokens, np.random.default_rng(0)):
             batch = collate([examples[i] for i in idx], tokenizer.pad_token_id or 0)
             ids = batch["input_ids"]
-            logits = model(input_ids=ids, attention_mask=batch["attention_mask"],
-                           position_ids=batch["position_ids"]).logits
+            with torch.no_grad():
+                logits = model(input_ids=ids, attention_mask=batch["attention_mask"],
+                               position_ids=batch["position_ids"]).logits
             pred = torch.zeros_like(ids)
             pred[:, 1:] = logits[:, :-1].argmax(-1)
             scored = batch["loss_mask"].bool()
@@ -716,9 +722,15 @@ def expert_token_accuracy(model, tokenizer, examples: list[dict[str, torch.Tenso
             is_digit = digit[ids]
             prev_digit = torch.zeros_like(is_digit)
             prev_digit[:, 1:] = is_digit[:, :-1]
+            opening = torch.zeros_like(scored)
+            for row, i in enumerate(idx):
+                cut = episode_openings([examples[i]], tool_call_id)
+                if cut:
+                    opening[row, :len(cut[0]["input_ids"])] = True
             right = pred == ids
             for kind, sel in (("number_start", is_digit & ~prev_digit), ("number_rest", is_digit & prev_digit),
-                              ("other", ~is_digit)):
+                              ("other", ~is_digit),
+                              ("identity_call", value_start_mask(ids, scored, *tables) & opening)):
                 m = scored & sel
                 hits[kind] += int((right & m).sum())
                 counts[kind] += int(m.sum())

@@ -4,6 +4,7 @@ policy loads into the GRPO trainer."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -234,6 +235,11 @@ def test_expert_token_accuracy_counts_numbers_and_scores_a_model(tokenizer):
     assert acc["n_number_rest"] == digits - numbers
     assert acc["n_other"] == sum(int(e["loss_mask"][1:].sum()) for e in examples) - digits
     assert 0 <= acc["acc_other"] < 0.2  # an untrained model
+    # the identity call: its tool's name and each of its (string) arguments, one first token each
+    calls = [json.loads(tokenizer.decode(o["input_ids"]).split("<tool_call>")[-1].split("</tool_call>")[0])
+             for o in sft.episode_openings(examples, tokenizer.convert_tokens_to_ids("<tool_call>"))]
+    assert calls and calls[0]["name"].startswith("find_user_id")
+    assert acc["n_identity_call"] == sum(1 + len(c["arguments"]) for c in calls)
     # A model that predicts every next token (its logits look one step ahead) scores 1 everywhere.
     class Oracle(torch.nn.Module):
         def __init__(self, vocab):
@@ -250,6 +256,7 @@ def test_expert_token_accuracy_counts_numbers_and_scores_a_model(tokenizer):
 
     perfect = sft.expert_token_accuracy(Oracle(len(tokenizer)), tokenizer, examples)
     assert perfect["acc_number_start"] == perfect["acc_number_rest"] == perfect["acc_other"] == 1.0
+    assert perfect["acc_identity_call"] == 1.0 and perfect["n_identity_call"] == acc["n_identity_call"]
 
 
 def test_copy_drills_repeat_a_segment_and_score_only_the_repeats():
