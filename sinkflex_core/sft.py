@@ -908,9 +908,11 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
         print(f"sft: renaming {cfg.swap_names:.0%} of the episodes; words per group: "
               f"{[len(g) for g in swap_groups]}", file=sys.stderr)
     tables = value_start_tokens(tokenizer) if cfg.value_loss_weight != 1.0 or openings else None
+    numbers = number_swap_group(tokenizer) if openings or cfg.swap_numbers else torch.zeros(0, dtype=torch.long)
+    numbers = numbers if len(numbers) >= 2 else torch.zeros(0, dtype=torch.long)  # a tokenizer without them
     # identity batches are renamed and renumbered: a training user's order id is otherwise a key to
     # remembering their zip code
-    identity_groups = swap_groups + [number_swap_group(tokenizer)] if openings else []
+    identity_groups = swap_groups + ([numbers] if len(numbers) else []) if openings else []
     if cfg.identity_warmup_steps:
         identity_warmup(policy, cfg, openings, identity_groups, pad, tables, rng)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -925,9 +927,7 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     out_dir = Path(cfg.out_dir) if save else None
     history: list[dict] = []
     lengths = [len(e["input_ids"]) for e in data]
-    number_group = [number_swap_group(tokenizer)] if cfg.swap_numbers else []
-    if number_group and len(number_group[0]) < 2:
-        number_group = []
+    number_group = [numbers] if cfg.swap_numbers and len(numbers) else []
     if number_group:
         print(f"sft: renumbering {cfg.swap_numbers:.0%} of the episodes ({len(number_group[0])} three-digit tokens)",
               file=sys.stderr)
