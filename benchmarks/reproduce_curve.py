@@ -16,6 +16,7 @@ figure: 0.25 -> 0.44 (+0.19).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -68,7 +69,7 @@ def write_sft_table(stages: list[Path]) -> pd.DataFrame:
     tables, offset = [], 0
     for folder in stages:
         hist = pd.read_csv(folder / "sft_history.csv")
-        cfg = sft.saved_config(folder)
+        cfg = {**dataclasses.asdict(sft.SFTConfig()), **sft.saved_config(folder)}  # fields added since: defaults
         model = AutoModelForCausalLM.from_pretrained(folder)
         mcfg, n_params = model.config, sum(p.numel() for p in model.parameters())
         tables.append(hist.assign(
