@@ -60,8 +60,8 @@ def sft_stages(sft_dir: Path) -> list[Path]:
 
 def write_sft_table(stages: list[Path]) -> pd.DataFrame:
     """``data/reward_curve_sft.csv``: every evaluation of each SFT stage (``run``: the folder's name;
-    ``step`` counts within the stage, ``total_step`` from the first stage's start), with its settings
-    and provenance. Returns the table."""
+    ``step`` counts within the stage, ``total_step`` on from the step whose weights the stage before
+    saved), with its settings and provenance. Returns the table."""
     from transformers import AutoModelForCausalLM
 
     from sinkflex_core.provenance import provenance
@@ -82,7 +82,7 @@ def write_sft_table(stages: list[Path]) -> pd.DataFrame:
             value_loss_weight=cfg["value_loss_weight"], recall_warmup_steps=cfg["recall_warmup_steps"],
             recall_fraction=cfg["recall_fraction"], recall_fact_fillers=cfg["recall_fact_fillers"],
             identity_warmup_steps=cfg["identity_warmup_steps"], identity_rows=cfg["identity_rows"]))
-        offset += int(hist["step"].iloc[-1])
+        offset += int(chosen_row(hist)["step"])  # the next stage starts from the weights saved here
     table = pd.concat(tables, ignore_index=True)
     for k, v in provenance().items():
         table[k] = v
@@ -93,17 +93,23 @@ def write_sft_table(stages: list[Path]) -> pd.DataFrame:
     return table
 
 
+def chosen_row(hist: pd.DataFrame) -> pd.Series:
+    """The evaluation whose weights a stage saved: its last best one (the last one without a ``best`` column)."""
+    return hist[hist["best"]].iloc[-1] if "best" in hist and hist["best"].any() else hist.iloc[-1]
+
+
 def sft_summary(stages: list[Path]) -> dict:
-    """The columns every GRPO row carries about its start: the chosen step of the last stage counted
-    from the first stage's start, its validation reward, and the minutes of all stages."""
+    """The columns every GRPO row carries about its start: the saved step of the last stage counted
+    on from the saved steps of the stages before it (each stage starts from the weights the one before
+    it saved), its validation reward, and the minutes of all stages."""
     steps, minutes, extra = 0, 0.0, {}
     for folder in stages:
         hist = pd.read_csv(folder / "sft_history.csv")
         if not len(hist):
             continue
-        chosen = hist[hist["best"]].iloc[-1] if "best" in hist and hist["best"].any() else hist.iloc[-1]
-        extra = {"sft_steps": steps + int(chosen["step"]), "sft_val_reward": float(chosen["val_reward"])}
-        steps += int(hist["step"].iloc[-1])
+        chosen = chosen_row(hist)
+        steps += int(chosen["step"])
+        extra = {"sft_steps": steps, "sft_val_reward": float(chosen["val_reward"])}
         minutes += float(hist["elapsed_s"].iloc[-1]) / 60
     return {**extra, "sft_minutes": round(minutes, 2)} if extra else {}
 

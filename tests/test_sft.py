@@ -211,11 +211,16 @@ def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path, caps
     stages = bench.sft_stages(tmp_path / "sft2")
     assert stages == [tmp_path / "sft", tmp_path / "sft2"]
     bench.data_dir = lambda: tmp_path
+    # as if the first stage had saved the weights of its first evaluation: the second starts from step 15
+    import pandas as pd
+
+    first = pd.read_csv(tmp_path / "sft" / "sft_history.csv").assign(best=[True, False])
+    first.to_csv(tmp_path / "sft" / "sft_history.csv", index=False)
     table = bench.write_sft_table(stages)
-    assert list(table["run"]) == ["sft", "sft", "sft2"] and list(table["total_step"]) == [15, 30, 32]
-    assert list(table["init_from"]) == ["", "", "sft"] and (tmp_path / "reward_curve_sft.csv").is_file()
+    assert list(table["run"]) == ["sft", "sft", "sft2"] and list(table["total_step"]) == [15, 30, 17]
+    assert list(table["init_from"].fillna("")) == ["", "", "sft"] and (tmp_path / "reward_curve_sft.csv").is_file()
     summary = bench.sft_summary(stages)
-    assert (summary["sft_steps"], summary["sft_val_reward"]) == (32, more.history[-1]["val_reward"])
+    assert (summary["sft_steps"], summary["sft_val_reward"]) == (17, more.history[-1]["val_reward"])
 
 
 def test_expert_token_accuracy_counts_numbers_and_scores_a_model(tokenizer):
