@@ -198,8 +198,11 @@ def record(out_root: Path, sft_dir: Path, seeds: list[int], parallel: int, smoke
         if not smoke:
             df.to_csv(data_dir() / f"reward_curve_seed{seed}.csv", index=False)
     full = pd.concat(tables, ignore_index=True)
-    curve = full[full["eval_reward"].notna()]
-    keep = train.CURVE_COLUMNS + [c for c in full.columns if c not in train.METRIC_COLUMNS and c != "seed"]
+    curve = full[full["eval_reward"].notna()].copy()
+    # each seed's last evaluation (the end of its curve; data/paper_claims.csv matches the paper's end on it)
+    curve["last_eval"] = curve["step"] == curve.groupby("seed")["step"].transform("max")
+    keep = train.CURVE_COLUMNS + [c for c in full.columns if c not in train.METRIC_COLUMNS and c != "seed"] + \
+        ["last_eval"]
     if not smoke:
         curve[keep].to_csv(data_dir() / "reward_curve.csv", index=False)
     summary = train.summarize_curves(full)

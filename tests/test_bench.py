@@ -160,6 +160,15 @@ def test_paper_table_reads_the_recorded_measurements(tmp_path):
     fresh.drop(columns=["file", "recorded"]).to_csv(tmp_path / "vram_h200.csv", index=False)
     table = bench.paper_vs_ours(tmp_path).set_index("claim")
     assert table.loc["peak VRAM, standard setup, 4,096 tokens", "ours"] == "30.00 GiB"
+    # the reward claims: the mean over seeds of the first evaluation and of each seed's last one
+    import pandas as pd
+
+    pd.DataFrame({"seed": [0, 0, 1, 1, 1], "step": [0, 6, 0, 4, 8], "eval_reward": [0.1, 0.3, 0.2, 0.9, 0.5],
+                  "last_eval": [False, True, False, False, True], "hardware": "cpu"}).to_csv(
+        tmp_path / "reward_curve.csv", index=False)
+    table = bench.paper_vs_ours(tmp_path).set_index("claim")
+    assert table.loc["retail mean reward at the start of GRPO training", "ours"] == "0.15 reward"
+    assert table.loc["retail mean reward at the end of GRPO training", "ours"] == "0.40 reward"
 
 
 def _gpu_row(case: str, peak: float, step_s: float, status: str = "ok") -> dict:
