@@ -1474,7 +1474,9 @@ def summarize_curves(df) -> Any:
 
 def plot_reward_curves(df, ax=None, label: str = "", color: str | None = None, x: str = "step"):
     """Test reward (mean over held-out tasks) against ``x`` (``step`` or ``minutes``) for every seed of
-    a curve table (thin lines), with the mean over seeds and its min-max band."""
+    a curve table (thin lines), with the mean over seeds and its min-max band at the evaluations every
+    seed reached, and the mean of each seed's last evaluation (a star; seeds stopped by a time limit end
+    at different steps)."""
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -1487,12 +1489,16 @@ def plot_reward_curves(df, ax=None, label: str = "", color: str | None = None, x
         ax.plot(g[x], g["eval_reward"], color=color, alpha=0.35, lw=1,
                 label=f"{label} seed {seed}" if len(seeds) == 1 else None)
     if len(seeds) > 1:
-        grid = ev.groupby("step")
+        shared = ev.groupby("step")["seed"].transform("nunique") == len(seeds)
+        grid = ev[shared].groupby("step")
         mean, lo, hi = grid["eval_reward"].mean(), grid["eval_reward"].min(), grid["eval_reward"].max()
         xs = grid["minutes"].mean() if x == "minutes" else mean.index
         ax.plot(xs, mean.values, color=color, lw=2.2, marker="o", ms=3,
                 label=f"{label} mean of {len(seeds)} seeds (band: min-max)")
         ax.fill_between(xs, lo.values, hi.values, color=color, alpha=0.15)
+        last = ev.sort_values("step").groupby("seed").tail(1)
+        ax.plot([last[x].mean()], [last["eval_reward"].mean()], color=color, marker="*", ms=11, ls="none",
+                label=f"{label} mean of each seed's last evaluation: {last['eval_reward'].mean():.3f}")
     ax.set_xlabel("GRPO step" if x == "step" else "minutes")
     ax.set_ylabel("mean test reward")
     ax.grid(alpha=0.3)

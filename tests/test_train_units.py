@@ -248,3 +248,19 @@ def test_module_runs_under_python_dash_m():
     out = subprocess.run([sys.executable, "-m", "sinkflex_core.train", "--print-config"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, env={**os.environ})
     assert out.returncode == 0 and "torchrun" in out.stdout
+
+
+def test_reward_curve_plot_averages_only_shared_evaluations_and_marks_each_seeds_end():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import numpy as np
+
+    df = pd.DataFrame({"seed": [0, 0, 0, 1, 1, 1, 1], "step": [0, 4, 6, 0, 4, 6, 8],
+                       "eval_reward": [0.1, 0.2, 0.3, 0.3, 0.4, 0.1, 0.9], "elapsed_s": [0, 60, 90, 0, 60, 90, 120]})
+    ax = train.plot_reward_curves(df, label="run:")
+    mean = next(line for line in ax.lines if "mean of 2 seeds" in line.get_label())
+    assert list(mean.get_xdata()) == [0, 4, 6] and np.allclose(mean.get_ydata(), [0.2, 0.3, 0.2])
+    end = next(line for line in ax.lines if "last evaluation" in line.get_label())
+    assert np.allclose(end.get_xdata(), [7.0]) and np.allclose(end.get_ydata(), [0.6])
+    assert "0.600" in end.get_label()
