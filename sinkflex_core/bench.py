@@ -1145,7 +1145,7 @@ def regenerate_figures(data: Path | None = None, figures: Path | None = None):
         ax.text(ax.get_xlim()[0], 0.445, " paper: 0.25 -> 0.44 (7B, 8 x H100)", fontsize=8, color="grey",
                 va="bottom")
         ax.set_title("GRPO on the retail store: held-out test reward, tiny policy on a 2-core CPU")
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="center right")
         fig.tight_layout()
         fig.savefig(figures / "reward_curve.png", dpi=120)
         plt.close(fig)
