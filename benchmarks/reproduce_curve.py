@@ -32,17 +32,17 @@ from sinkflex_core.paths import data_dir, repo_root
 PAPER_START, PAPER_END = 0.25, 0.44
 
 
-def run_sft(out_root: Path, smoke: bool, threads: int) -> Path:
+def run_sft(out_root: Path, smoke: bool, threads: int, progress: bool = True) -> Path:
     """The shared SFT start, in two stages, each trained once and reused while its config is unchanged:
     ``OUT_ROOT/sft`` (the SFT defaults), then ``OUT_ROOT/sft_identity`` (:func:`sinkflex_core.sft.identity_stage`).
     Returns the second."""
-    cfg = sft.SFTConfig(out_dir=str(out_root / "sft"), threads=threads)
-    small = {}
+    cfg = sft.SFTConfig(out_dir=str(out_root / "sft"), threads=threads, progress=progress)
+    small = {"progress": progress}
     if smoke:
         cfg.hidden_size, cfg.num_layers, cfg.max_steps, cfg.eval_every = 64, 2, 4, 2
         cfg.train_tasks, cfg.val_tasks, cfg.batch_tokens, cfg.stop_at_reward = 12, 4, 4096, 0.0
         cfg.copy_warmup_steps, cfg.copy_warmup_length = 4, 64
-        small = {"identity_warmup_steps": 2, "identity_rows": 2, "max_steps": 2, "eval_every": 2}
+        small.update(identity_warmup_steps=2, identity_rows=2, max_steps=2, eval_every=2)
     base = sft.train_or_reuse(cfg)
     return sft.train_or_reuse(sft.identity_stage(base, out_root / "sft_identity", **small))
 
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             p.error(f"--record-only: no finished run in {', '.join(missing)}")
         return record(out_root, sft_dir, args.seeds, args.parallel, args.smoke)
-    sft_dir = Path(args.sft_dir) if args.sft_dir else run_sft(out_root, args.smoke, threads)
+    sft_dir = Path(args.sft_dir) if args.sft_dir else run_sft(out_root, args.smoke, threads, not args.no_progress)
     overrides = dict(kv.split("=", 1) for kv in args.set)
     if args.no_progress:
         overrides["progress"] = "false"
