@@ -58,22 +58,39 @@ def sft_stages(sft_dir: Path) -> list[Path]:
         chain.insert(0, Path(prev))
 
 
-def write_sft_table(stages: list[Path]) -> pd.DataFrame:
-    """``data/reward_curve_sft.csv``: every evaluation of each SFT stage (``run``: the folder's name;
-    ``step`` counts within the stage, ``total_step`` on from the step whose weights the stage before
-    saved), with its settings and provenance. Returns the table."""
+def chosen_row(hist: pd.DataFrame) -> pd.Series:
+    """The evaluation whose weights a stage saved: its last best one (the last one without a ``best`` column)."""
+    return hist[hist["best"]].iloc[-1] if "best" in hist and hist["best"].any() else hist.iloc[-1]
+
+
+def stage_histories(stages: list[Path]) -> list[tuple[Path, pd.DataFrame]]:
+    """Each stage's folder and ``sft_history.csv`` (stages without evaluations left out), the history
+    with ``run`` (the folder's name) and ``total_step``: the stage's steps counted on from the step
+    whose weights the stage before it saved (its best evaluation; each stage starts from those weights)."""
+    parts, offset = [], 0
+    for folder in stages:
+        hist = pd.read_csv(folder / "sft_history.csv")
+        if len(hist):
+            parts.append((folder, hist.assign(run=folder.name, total_step=hist["step"] + offset)))
+            offset += int(chosen_row(hist)["step"])
+    return parts
+
+
+def write_sft_table(parts: list[tuple[Path, pd.DataFrame]]) -> pd.DataFrame:
+    """``data/reward_curve_sft.csv``: every evaluation of each SFT stage (``parts``, from
+    :func:`stage_histories`; ``step`` counts within the stage), with its settings and provenance.
+    Returns the table."""
     from transformers import AutoModelForCausalLM
 
     from sinkflex_core.provenance import provenance
 
-    tables, offset = [], 0
-    for folder in stages:
-        hist = pd.read_csv(folder / "sft_history.csv")
+    tables = []
+    for folder, hist in parts:
         cfg = {**dataclasses.asdict(sft.SFTConfig()), **sft.saved_config(folder)}  # fields added since: defaults
         model = AutoModelForCausalLM.from_pretrained(folder)
         mcfg, n_params = model.config, sum(p.numel() for p in model.parameters())
         tables.append(hist.assign(
-            run=folder.name, total_step=hist["step"] + offset, seed=cfg["seed"], peak_lr=cfg["lr"],
+            seed=cfg["seed"], peak_lr=cfg["lr"],
             hidden_size=mcfg.hidden_size, num_layers=mcfg.num_hidden_layers, num_heads=mcfg.num_attention_heads,
             parameters=n_params, expert_split=cfg["expert_split"], expert_tasks=cfg["train_tasks"] or "all",
             batch_tokens=cfg["batch_tokens"], context_loss_weight=cfg["context_loss_weight"],
@@ -82,7 +99,6 @@ def write_sft_table(stages: list[Path]) -> pd.DataFrame:
             value_loss_weight=cfg["value_loss_weight"], recall_warmup_steps=cfg["recall_warmup_steps"],
             recall_fraction=cfg["recall_fraction"], recall_fact_fillers=cfg["recall_fact_fillers"],
             identity_warmup_steps=cfg["identity_warmup_steps"], identity_rows=cfg["identity_rows"]))
-        offset += int(chosen_row(hist)["step"])  # the next stage starts from the weights saved here
     table = pd.concat(tables, ignore_index=True)
     for k, v in provenance().items():
         table[k] = v
@@ -93,25 +109,14 @@ def write_sft_table(stages: list[Path]) -> pd.DataFrame:
     return table
 
 
-def chosen_row(hist: pd.DataFrame) -> pd.Series:
-    """The evaluation whose weights a stage saved: its last best one (the last one without a ``best`` column)."""
-    return hist[hist["best"]].iloc[-1] if "best" in hist and hist["best"].any() else hist.iloc[-1]
-
-
-def sft_summary(stages: list[Path]) -> dict:
-    """The columns every GRPO row carries about its start: the saved step of the last stage counted
-    on from the saved steps of the stages before it (each stage starts from the weights the one before
-    it saved), its validation reward, and the minutes of all stages."""
-    steps, minutes, extra = 0, 0.0, {}
-    for folder in stages:
-        hist = pd.read_csv(folder / "sft_history.csv")
-        if not len(hist):
-            continue
-        chosen = chosen_row(hist)
-        steps += int(chosen["step"])
-        extra = {"sft_steps": steps, "sft_val_reward": float(chosen["val_reward"])}
-        minutes += float(hist["elapsed_s"].iloc[-1]) / 60
-    return {**extra, "sft_minutes": round(minutes, 2)} if extra else {}
+def sft_summary(parts: list[tuple[Path, pd.DataFrame]]) -> dict:
+    """The columns every GRPO row carries about its start (``parts`` from :func:`stage_histories`): the
+    saved step of the last stage in ``total_step``, its validation reward, and the minutes of all stages."""
+    if not parts:
+        return {}
+    chosen = chosen_row(parts[-1][1])
+    return {"sft_steps": int(chosen["total_step"]), "sft_val_reward": float(chosen["val_reward"]),
+            "sft_minutes": round(sum(float(h["elapsed_s"].iloc[-1]) for _, h in parts) / 60, 2)}
 
 
 def grpo_config(sft_dir: Path, seed: int, out_dir: Path, smoke: bool, threads: int, overrides: dict):
@@ -187,9 +192,10 @@ def main(argv: list[str] | None = None) -> int:
 def record(out_root: Path, sft_dir: Path, seeds: list[int], parallel: int, smoke: bool) -> int:
     """Write the data/ tables from the finished runs (nothing when ``smoke``) and print the summary."""
     stages = [p for p in sft_stages(sft_dir) if (p / "sft_history.csv").is_file()]
-    sft_extra = sft_summary(stages)
-    if stages and not smoke:
-        write_sft_table(stages)
+    parts = stage_histories(stages)
+    sft_extra = sft_summary(parts)
+    if parts and not smoke:
+        write_sft_table(parts)
     tables = []
     for seed in seeds:
         run_dir = out_root / f"grpo_seed{seed}"

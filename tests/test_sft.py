@@ -216,10 +216,11 @@ def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path, caps
 
     first = pd.read_csv(tmp_path / "sft" / "sft_history.csv").assign(best=[True, False])
     first.to_csv(tmp_path / "sft" / "sft_history.csv", index=False)
-    table = bench.write_sft_table(stages)
+    parts = bench.stage_histories(stages)
+    table = bench.write_sft_table(parts)
     assert list(table["run"]) == ["sft", "sft", "sft2"] and list(table["total_step"]) == [15, 30, 17]
     assert list(table["init_from"].fillna("")) == ["", "", "sft"] and (tmp_path / "reward_curve_sft.csv").is_file()
-    summary = bench.sft_summary(stages)
+    summary = bench.sft_summary(parts)
     assert (summary["sft_steps"], summary["sft_val_reward"]) == (17, more.history[-1]["val_reward"])
 
 
