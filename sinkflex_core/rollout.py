@@ -339,7 +339,10 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
                   generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row. logits (B, V) float -> (tokens (B,), sampling log-probs (B,)).
 
-    Each row draws from its own generator, so that a row's sample does not depend on the others."""
+    Each row draws one uniform number from its own generator, so that a row's sample does not depend on
+    the others, and takes the token where that number falls in the row's cumulative distribution
+    (inverse-CDF sampling: one vectorised search for the whole batch instead of a ``torch.multinomial``
+    call per row). A token of probability 0 is never drawn."""
     logits = logits.float()
     if temperature == 0:
         tokens = logits.argmax(dim=-1)
@@ -347,7 +350,12 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]
     logp = _top_p_filter(logits / temperature, top_p).log_softmax(dim=-1)
     probs = logp.exp()
-    tokens = torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(generators)])
+    cdf = probs.double().cumsum(dim=-1)
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+    tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    # u * total can round up to the total itself: then the last token that has any probability.
+    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+    tokens = torch.minimum(tokens, last)
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
 
@@ -531,14 +539,65 @@ class HFBackend:
                 return False
         idx = torch.tensor(rows, device=self.device)
         mask = self._mask[idx]
-        keep = mask.any(dim=0).nonzero()[:, 0]
-        for layer in self._cache.layers:
-            layer.keys = layer.keys[idx][:, :, keep]
-            layer.values = layer.values[idx][:, :, keep]
-        self._mask = mask[:, keep]
+        if self.fast_path:
+            # Each row's real columns moved to the front, in order (keys carry their rotary positions
+            # already, and attention does not depend on where a key sits), so the cache is as wide as
+            # the longest row instead of accumulating every row's padding: rows that stopped early in
+            # a turn, and prefills shorter than the longest one.
+            counts = mask.sum(dim=1)
+            width = int(counts.max())
+            order = torch.sort((mask == 0).to(torch.int8), dim=1, stable=True).indices[:, :width]
+            for layer in self._cache.layers:
+                at = order[:, None, :, None]
+                layer.keys = layer.keys[idx].gather(2, at.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+                layer.values = layer.values[idx].gather(
+                    2, at.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
+            self._mask = (torch.arange(width, device=mask.device) < counts[:, None]).to(mask.dtype)
+        else:
+            keep = mask.any(dim=0).nonzero()[:, 0]
+            for layer in self._cache.layers:
+                layer.keys = layer.keys[idx][:, :, keep]
+                layer.values = layer.values[idx][:, :, keep]
+            self._mask = mask[:, keep]
         self._fed = [self._fed[r] for r in rows]
         self._keys = list(keys)
         return True
+
+    def _park(self, positions: list[int], rows: list[int]):
+        """Take the cache rows at ``positions`` out of the batch; return them with their requests."""
+        dev = self.device
+        drop = torch.tensor(positions, device=dev)
+        gone = set(positions)
+        keep = torch.tensor([j for j in range(len(rows)) if j not in gone], device=dev)
+        saved = []
+        for layer in self._cache.layers:
+            saved.append((layer.keys[drop], layer.values[drop]))
+            layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+        mask = self._mask[drop]
+        self._mask = self._mask[keep]
+        return [rows[j] for j in positions], saved, mask
+
+    def _unpark(self, parked: list, rows: list[int]) -> None:
+        """Put parked rows back beside the ``rows`` still in the batch, the cache in request order,
+        every part padded (masked columns) to the widest."""
+        current = (rows, [(layer.keys, layer.values) for layer in self._cache.layers], self._mask)
+        parts = [current, *parked]
+        width = max(m.shape[1] for _, _, m in parts)
+        order = torch.tensor([i for r, _, _ in parts for i in r], device=self.device)
+        back = torch.argsort(order)
+
+        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            extra = width - t.shape[dim]
+            if not extra:
+                return t
+            shape = list(t.shape)
+            shape[dim] = extra
+            return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+        for n, layer in enumerate(self._cache.layers):
+            layer.keys = torch.cat([pad(kv[n][0], 2) for _, kv, _ in parts])[back]
+            layer.values = torch.cat([pad(kv[n][1], 2) for _, kv, _ in parts])[back]
+        self._mask = torch.cat([pad(m, 1) for _, _, m in parts])[back]
 
     @torch.inference_mode()
     def generate(self, requests: Sequence[GenerationRequest], temperature: float = 1.0,
@@ -576,28 +635,39 @@ class HFBackend:
         out_logp: list[list[float]] = [[] for _ in requests]
         stopped = [False] * B
         done = [False] * B
+        rows = list(range(B))  # the request of each row the cache holds now
+        parked: list[tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = []
         while True:
-            tokens, logp = sample_tokens(logits.cpu(), temperature, top_p, generators)
-            for i in range(B):
+            tokens, logp = sample_tokens(logits.cpu(), temperature, top_p, [generators[i] for i in rows])
+            for j, i in enumerate(rows):
                 if done[i]:
                     continue
-                t = int(tokens[i])
+                t = int(tokens[j])
                 out_ids[i].append(t)
-                out_logp[i].append(float(logp[i]))
+                out_logp[i].append(float(logp[j]))
                 if t in self.stop_token_ids:
                     done[i] = stopped[i] = True
                 elif len(out_ids[i]) >= requests[i].max_new_tokens:
                     done[i] = True
             if all(done):
                 break
+            finished = [j for j, i in enumerate(rows) if done[i]]
+            if self.fast_path and 4 * len(finished) >= len(rows):
+                # A quarter of the rows have stopped: set them aside until the turn ends, so that the
+                # others do not decode (and grow the cache) for them. A copy of the cache each time,
+                # O(log B) times a turn.
+                parked.append(self._park(finished, rows))
+                rows = [i for i in rows if not done[i]]
             # Feed the last sampled token of rows still going; finished rows get a hidden pad column.
-            live = torch.tensor([0 if done[i] else 1 for i in range(B)], dtype=torch.long, device=dev)
-            step = torch.tensor([self.pad_token_id if done[i] else out_ids[i][-1] for i in range(B)],
+            live = torch.tensor([0 if done[i] else 1 for i in rows], dtype=torch.long, device=dev)
+            step = torch.tensor([self.pad_token_id if done[i] else out_ids[i][-1] for i in rows],
                                 dtype=torch.long, device=dev)
-            for i in range(B):
+            for i in rows:
                 if not done[i]:
                     self._fed[i].append(out_ids[i][-1])
             logits = self._forward(step[:, None], live[:, None])
+        if parked:
+            self._unpark(parked, rows)
         self.stats["generated_tokens"] += sum(len(x) for x in out_ids)
         return [GenerationResult(ids, lp, s) for ids, lp, s in zip(out_ids, out_logp, stopped)]
 

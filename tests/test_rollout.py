@@ -291,6 +291,19 @@ def test_top_p_samples_only_from_the_nucleus():
     assert tokens.item() == 0 and abs(logp.item() - torch.log(torch.tensor(0.5)).item()) < 1e-5
 
 
+def test_sampling_follows_the_distribution_and_each_row_its_own_generator():
+    p = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05, 0.0])
+    n = 8000
+    tokens, logp = sample_tokens(torch.log(p).repeat(n, 1), 1.0, 1.0, [torch.Generator().manual_seed(i) for i in range(n)])
+    freq = torch.bincount(tokens, minlength=6).double() / n
+    assert freq[1] == 0 and freq[5] == 0  # probability 0 is never drawn
+    assert ((freq - p.double()).abs() <= 4 * (p.double() * (1 - p.double()) / n).sqrt()).all(), freq
+    assert torch.allclose(logp, torch.log(p)[tokens])
+    # A row's sample depends on its generator only, not on the rows beside it.
+    alone, _ = sample_tokens(torch.log(p)[None], 1.0, 1.0, [torch.Generator().manual_seed(7)])
+    assert alone.item() == tokens[7].item()
+
+
 def test_bad_configuration_is_refused(tok, model):
     for bad in (dict(group_size=0), dict(max_new_tokens_per_turn=0), dict(top_p=0.0), dict(temperature=-1.0)):
         with pytest.raises(ValueError, match="RolloutConfig"):
@@ -346,3 +359,30 @@ def test_grouped_attention_and_growing_cache_match_the_stock_path(tok, model):
             histories[k] = histories[k] + res.token_ids + torch.randint(3, 2000, (50,), generator=g).tolist()
         histories.pop(1, None)
     assert model.config._attn_implementation == "sdpa"  # restored after generation
+
+
+def test_rows_that_stop_early_leave_the_batch_and_their_padding_leaves_the_cache(tok, model):
+    """Rows that stop early in a turn are set aside until the turn ends, and each turn starts from a
+    cache as wide as its longest row: the same samples and log-probs as the stock path, whose cache
+    keeps every padding column."""
+    g = torch.Generator().manual_seed(1)
+    histories = {k: torch.randint(300, 2000, (n,), generator=g).tolist() for k, n in enumerate([30, 8, 19, 12, 25, 5])}
+    fast_be, stock_be = _chatty_backend(model, tok), _chatty_backend(model, tok, fast_path=False)
+    lengths = set()
+    for turn in range(4):
+        reqs = [GenerationRequest(k, h, max_new_tokens=60, seed=10 * turn + k) for k, h in histories.items()]
+        results = fast_be.generate(reqs)
+        for a, b in zip(results, stock_be.generate(reqs)):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+        lengths.update(len(r.token_ids) for r in results)
+        for k, res in zip(list(histories), results):
+            histories[k] = histories[k] + res.token_ids + torch.randint(300, 2000, (3 + 5 * k,), generator=g).tolist()
+    assert len(lengths) > 3  # rows did stop at different times
+    # Both caches hold the same real tokens per row; the fast one sheds its padding when the next turn
+    # selects its rows, down to the longest row.
+    real = fast_be._mask.sum(1)
+    assert torch.equal(real, stock_be._mask.sum(1))
+    assert fast_be._select_rows(list(histories), list(histories.values()))
+    assert fast_be._mask.shape[1] == real.max() < stock_be._mask.shape[1]
+    assert all(layer.keys.shape[2] == real.max() for layer in fast_be._cache.layers)
