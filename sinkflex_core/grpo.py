@@ -40,6 +40,7 @@ __all__ = [
     "naive_token_logprobs",
     "policy_loss",
     "reward_metrics",
+    "rows_with_signal",
     "token_advantages",
     "token_logprobs",
 ]
@@ -372,6 +373,22 @@ def policy_metrics(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch
 
 
 @torch.no_grad()
+def _group_range(rewards: torch.Tensor, group_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(each row's group index 0..n-1, each group's min reward, each group's max reward)."""
+    _, inv = torch.unique(torch.as_tensor(group_ids), return_inverse=True)
+    n_groups = int(inv.max()) + 1 if inv.numel() else 0
+    rmax = torch.full((n_groups,), -torch.inf, dtype=rewards.dtype).scatter_reduce(0, inv, rewards, "amax")
+    rmin = torch.full((n_groups,), torch.inf, dtype=rewards.dtype).scatter_reduce(0, inv, rewards, "amin")
+    return inv, rmin, rmax
+
+
+def rows_with_signal(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: the trajectory's group has rewards that differ, so its advantages are not all zero
+    (DAPO's dynamic-sampling filter keeps only these groups)."""
+    inv, rmin, rmax = _group_range(torch.as_tensor(rewards, dtype=torch.float64), group_ids)
+    return (rmax > rmin)[inv]
+
+
 def reward_metrics(rewards: torch.Tensor, group_ids: torch.Tensor,
                    advantages: torch.Tensor | None = None) -> dict[str, float]:
     """Reward and advantage statistics of a rollout batch: mean, std (unbiased), min, max, the number of
@@ -379,11 +396,8 @@ def reward_metrics(rewards: torch.Tensor, group_ids: torch.Tensor,
 
     rewards, group_ids, advantages: (B,)."""
     rewards = torch.as_tensor(rewards, dtype=torch.float64)
-    group_ids = torch.as_tensor(group_ids)
-    _, inv = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(inv.max()) + 1 if inv.numel() else 0
-    rmax = torch.full((n_groups,), -torch.inf, dtype=rewards.dtype).scatter_reduce(0, inv, rewards, "amax")
-    rmin = torch.full((n_groups,), torch.inf, dtype=rewards.dtype).scatter_reduce(0, inv, rewards, "amin")
+    _, rmin, rmax = _group_range(rewards, group_ids)
+    n_groups = len(rmax)
     res = {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,

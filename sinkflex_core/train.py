@@ -13,6 +13,7 @@ One step (``Trainer.step``)::
       -> reference log-probs (LoRA: adapters disabled; full fine-tuning: a frozen copy)
       -> ppo_epochs x num_minibatches optimizer steps: clipped ratio against the sampling log-probs,
          KL to the reference, gradient clipping, micro-batches for gradient accumulation
+         (drop_uniform_groups: only on the groups whose rewards differ)
       -> metrics (CSV, TensorBoard if installed, progress bar)
       -> every eval_every steps: held-out tasks, mean reward and pass^k
       -> every save_every steps: an atomic checkpoint (model, optimizer, scheduler, RNG, data order)
@@ -137,6 +138,8 @@ class TrainConfig:
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
     norm_adv_by_std: bool = True
     old_logprobs: str = "rollout"  # rollout: the sampling log-probs | recompute: the trainer's own
+    drop_uniform_groups: bool = False  # True: groups whose rewards are all equal (advantage 0) are left
+    #                                     out of the update (no forward, backward or KL for them)
 
     # -- evaluation --
     eval_every: int = 4  # steps; 0 = only before the first and after the last step
@@ -280,9 +283,12 @@ PAPER_8XH100 = dict(
     out_dir="runs/paper-8xh100",
 )
 
-# The CPU run (the dataclass defaults): the tiny policy after SFT (sinkflex_core.sft; pass its folder
-# as --model), compact prompt, trajectories up to 2,048 tokens.
-TINY_CPU = dict(preset="tiny-cpu")
+# The CPU run (the dataclass defaults, plus drop_uniform_groups): the tiny policy after SFT
+# (sinkflex_core.sft; pass its folder as --model), compact prompt, trajectories up to 2,048 tokens.
+# Three groups in four or more have no reward signal at the tiny policy's success rate (all 0); leaving
+# them out of the update halves a step's time, and the 15-minute budget gets more steps. Their KL to
+# the reference is not computed either (it still applies to every trajectory that is updated on).
+TINY_CPU = dict(preset="tiny-cpu", drop_uniform_groups=True)
 
 PRESETS: dict[str, dict] = {"tiny-cpu": TINY_CPU, "paper-8xh100": PAPER_8XH100}
 
@@ -657,7 +663,7 @@ def load_checkpoint(path: Path, rank: int = 0) -> tuple[dict[str, Any], dict | N
 # --------------------------------------------------------------------------------------------------
 
 METRIC_COLUMNS = [
-    "step", "epoch", "tasks", "trajectories", "reward_mean", "reward_std", "success_rate",
+    "step", "epoch", "tasks", "trajectories", "trajectories_updated", "reward_mean", "reward_std", "success_rate",
     "frac_groups_all_equal", "tokens_policy", "tokens_total", "turns_mean", "loss", "pg_loss", "kl",
     "entropy", "clip_frac", "ratio_mean", "ratio_max", "logp_gap_rollout", "grad_norm", "lr",
     "eval_reward", "eval_pass1", "eval_passk", "eval_k",
@@ -1091,16 +1097,26 @@ class Trainer:
         dev = self.dist.device
         return module(rows["input_ids"].to(dev), rows["attention_mask"].to(dev), rows["position_ids"].to(dev))
 
+    def _micro_batches(self, rows: dict, idx: torch.Tensor) -> list[tuple[torch.Tensor, bool]]:
+        """The rows ``idx``, longest first, in micro-batches of ``micro_batch_size`` (similar lengths
+        waste less compute on padding), each with a flag ``real``. Under torch.distributed every rank
+        gets as many micro-batches as the rank with the most, because FSDP's collectives run at every
+        forward and backward on every rank: the extra ones are row 0, to be weighted 0 and not counted
+        (only needed when ranks keep different numbers of rows: ``drop_uniform_groups``)."""
+        mb = self.cfg.micro_batch_size
+        idx = idx[torch.argsort(rows["attention_mask"][idx].sum(1), descending=True, stable=True)]
+        parts = [(idx[j:j + mb], True) for j in range(0, len(idx), mb)]
+        n = int(self._max(float(len(parts))))
+        return parts + [(torch.zeros(1, dtype=torch.long), False)] * (n - len(parts))
+
     @torch.no_grad()
-    def _frozen_logprobs(self, rows: dict, which: str) -> torch.Tensor:
+    def _frozen_logprobs(self, rows: dict, which: str, idx: torch.Tensor | None = None) -> torch.Tensor:
         """(B, L) log-probs of the reference policy (``which="ref"``) or of the current policy
-        before any update (``"old"``), computed in micro-batches."""
+        before any update (``"old"``), computed in micro-batches, for the rows ``idx`` (default: all;
+        the others stay 0)."""
         B = rows["input_ids"].shape[0]
         out = torch.zeros_like(rows["old_logprobs"], dtype=torch.float32)
-        mb = self.cfg.micro_batch_size
-        order = torch.argsort(rows["attention_mask"].sum(1), descending=True, stable=True)
-        for i in range(0, B, mb):
-            idx = order[i:i + mb]
+        for idx, real in self._micro_batches(rows, torch.arange(B) if idx is None else idx):
             sub = _trim(rows, idx)
             lo = int(rows["attention_mask"][idx].bool().any(0).nonzero().min())
             if which == "ref" and self.ref is None:  # LoRA: the base model is the reference
@@ -1108,7 +1124,8 @@ class Trainer:
                     logp, _ = self._logprobs(self.policy, sub)
             else:
                 logp, _ = self._logprobs(self.ref if which == "ref" else self.policy, sub)
-            out[idx, lo:lo + logp.shape[1]] = logp.float().cpu()
+            if real:
+                out[idx, lo:lo + logp.shape[1]] = logp.float().cpu()
         return out
 
     # -- one step ------------------------------------------------------------------------------------
@@ -1129,34 +1146,38 @@ class Trainer:
         t_roll = time.perf_counter() - t0
 
         adv = grpo.group_advantages(rows["rewards"], rows["group_ids"], norm_by_std=c.norm_adv_by_std)
+        # The rows the update runs on: all, or (drop_uniform_groups) those of groups with a reward signal.
+        train_rows = torch.ones(len(adv), dtype=torch.bool)
+        if c.drop_uniform_groups:
+            train_rows = grpo.rows_with_signal(rows["rewards"], rows["group_ids"])
+        train_idx = train_rows.nonzero().flatten()
         gap = None
         if c.old_logprobs == "recompute":
-            old = self._frozen_logprobs(rows, "old")
-            m = rows["loss_mask"]
+            old = self._frozen_logprobs(rows, "old", train_idx)
+            m = rows["loss_mask"] * train_rows[:, None]
             gap = float((old - rows["old_logprobs"]).abs().mul(m).sum() / m.sum().clamp_min(1))
-            rows["old_logprobs"] = old
-        ref = self._frozen_logprobs(rows, "ref") if c.kl_coef > 0 else None
+            rows["old_logprobs"] = torch.where(train_rows[:, None], old, rows["old_logprobs"])
+        ref = self._frozen_logprobs(rows, "ref", train_idx) if c.kl_coef > 0 else None
         loss_cfg = grpo.GRPOLossConfig(clip_low=c.clip_low, clip_high=c.clip_high,
                                        dual_clip=c.dual_clip or None, kl_coef=c.kl_coef, kl_kind=c.kl_kind,
                                        entropy_coef=c.entropy_coef, agg_mode=c.loss_agg)
         slot = position_in_group(rows["group_ids"])
-        lengths = rows["attention_mask"].sum(1)
         acc = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy_tok": 0.0, "clip_tok": 0.0, "ratio_tok": 0.0,
                "tokens": 0.0, "ratio_max": 0.0, "grad_norm": 0.0, "updates": 0}
         self.policy.train()
         for _epoch in range(c.ppo_epochs):
             for k in range(c.num_minibatches):
-                mb_idx = (slot % c.num_minibatches == k).nonzero().flatten()
-                # Micro-batches of similar lengths waste less compute on padding; the sum over
-                # micro-batches (global normalisers) does not depend on how they are cut.
-                mb_idx = mb_idx[torch.argsort(lengths[mb_idx], descending=True, stable=True)]
+                mb_idx = ((slot % c.num_minibatches == k) & train_rows).nonzero().flatten()
+                # The sum over micro-batches (global normalisers) does not depend on how they are cut.
                 mask = rows["loss_mask"][mb_idx]
                 norms = grpo.loss_normalizers(mask)
                 n_tok, n_seq = d.sum([norms["num_tokens"], norms["num_seqs"]])
                 n_tok, n_seq = max(1, int(n_tok)), max(1, int(n_seq))
+                micro = self._micro_batches(rows, mb_idx)
+                if not micro:  # no rank has a row to learn from in this mini-batch: no optimizer step
+                    continue
                 mb_loss = mb_pg = mb_kl = 0.0
-                for j in range(0, len(mb_idx), c.micro_batch_size):
-                    idx = mb_idx[j:j + c.micro_batch_size]
+                for idx, real in micro:
                     sub = _trim(rows, idx)
                     lo = int(rows["attention_mask"][idx].bool().any(0).nonzero().min())
                     width = sub["input_ids"].shape[1]
@@ -1168,7 +1189,9 @@ class Trainer:
                                              ref_logp=ref_sub, entropy=ent, config=loss_cfg, num_tokens=n_tok,
                                              num_seqs=n_seq, norm_length=c.max_total_tokens)
                     # FSDP averages gradients over ranks; the loss is already a global mean.
-                    (loss * d.world).backward()
+                    (loss * (d.world if real else 0.0)).backward()
+                    if not real:
+                        continue
                     t = m["num_tokens"]
                     mb_loss += m["loss"]
                     mb_pg += m["pg_loss"]
@@ -1205,22 +1228,30 @@ class Trainer:
         sums = d.sum([float(rewards.sum()), float((rewards * rewards).sum()), float((rewards >= 1 - 1e-6).sum()),
                       float(len(rewards)), groups_equal * n_groups, float(n_groups), policy_tok, total_tok, turns,
                       acc["loss"], acc["pg_loss"], acc["kl"], acc["entropy_tok"], acc["clip_tok"],
-                      acc["ratio_tok"], acc["tokens"], gap or 0.0])
+                      acc["ratio_tok"], acc["tokens"], gap or 0.0, float(train_rows.sum())])
         (r_sum, r2_sum, succ, n, eq, ng, ptok, ttok, turns, loss_s, pg_s, kl_s, ent_s, clip_s, ratio_s,
-         tok_s, gap_s) = sums
+         tok_s, gap_s, n_upd) = sums
         ratio_max = self._max(acc["ratio_max"])
         mean = r_sum / n
         var = max(0.0, (r2_sum - n * mean * mean) / max(1.0, n - 1))
-        upd = max(1, acc["updates"])
+        upd = acc["updates"]  # the same on every rank
+
+        def per_update(v: float) -> float | None:  # empty when no optimizer step was taken
+            return v / upd if upd else None
+
+        def per_token(v: float) -> float | None:
+            return v / tok_s if tok_s else None
+
         row = {
             "step": step, "epoch": self.sampler.epoch + self.sampler.cursor / self.num_train_tasks,
-            "tasks": c.tasks_per_step, "trajectories": int(n), "reward_mean": mean, "reward_std": math.sqrt(var),
+            "tasks": c.tasks_per_step, "trajectories": int(n), "trajectories_updated": int(n_upd),
+            "reward_mean": mean, "reward_std": math.sqrt(var),
             "success_rate": succ / n, "frac_groups_all_equal": eq / max(1.0, ng), "tokens_policy": int(ptok),
-            "tokens_total": int(ttok), "turns_mean": turns / n, "loss": loss_s / upd, "pg_loss": pg_s / upd,
-            "kl": kl_s / upd, "entropy": ent_s / max(1.0, tok_s), "clip_frac": clip_s / max(1.0, tok_s),
-            "ratio_mean": ratio_s / max(1.0, tok_s), "ratio_max": ratio_max,
+            "tokens_total": int(ttok), "turns_mean": turns / n, "loss": per_update(loss_s),
+            "pg_loss": per_update(pg_s), "kl": per_update(kl_s), "entropy": per_token(ent_s),
+            "clip_frac": per_token(clip_s), "ratio_mean": per_token(ratio_s), "ratio_max": ratio_max if upd else None,
             "logp_gap_rollout": gap_s / d.world if gap is not None else None,
-            "grad_norm": acc["grad_norm"] / upd, "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": per_update(acc["grad_norm"]), "lr": self.scheduler.get_last_lr()[0],
             "rollout_s": t_roll, "update_s": t_upd,
         }
         self.step_idx = step

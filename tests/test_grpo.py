@@ -20,6 +20,7 @@ from sinkflex_core.grpo import (
     naive_token_logprobs,
     policy_loss,
     reward_metrics,
+    rows_with_signal,
     token_advantages,
     token_logprobs,
 )
@@ -423,3 +424,11 @@ def test_metrics():
     assert m["loss"] == pytest.approx(-(0.5 + 0.9 + 1.05) / 3, rel=1e-6)
     rm = reward_metrics(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1]))
     assert rm["reward_mean"] == 0.75 and rm["frac_groups_no_signal"] == 0.5 and rm["num_groups"] == 2
+
+
+def test_rows_with_signal_are_those_of_groups_whose_rewards_differ():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.5, 0.0, 0.0, 0.0])
+    groups = torch.tensor([7, 7, 3, 3, 9, 9, 9, 2, 2])  # any ids, in any order
+    assert rows_with_signal(rewards, groups).tolist() == [True, True, False, False, True, True, True, False, False]
+    # Here every row of those groups has a nonzero advantage, and every other row advantage 0.
+    assert torch.equal(rows_with_signal(rewards, groups), group_advantages(rewards, groups) != 0)

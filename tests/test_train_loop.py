@@ -45,7 +45,7 @@ def _cfg(tokenizer_dir: str, out: Path, **kw) -> TrainConfig:
 
 
 def _argv(cfg: TrainConfig) -> list[str]:
-    default = TrainConfig().to_dict()
+    default = train.resolve_config("tiny-cpu").to_dict()  # what the command line starts from
     return [f"--set={k}={train._cli_value(v)}".replace("'", "") for k, v in cfg.to_dict().items()
             if v != default[k]]
 
@@ -216,3 +216,64 @@ def test_time_budget_stops_after_the_evaluation_that_used_it_up(tokenizer_dir, t
     trainer2._elapsed = lambda: clock["t"]
     trainer2.run()
     assert evals == [0, 2, 3] and trainer2.step_idx == 3
+
+
+def test_drop_uniform_groups_skips_a_step_without_signal(tokenizer_dir, tmp_path):
+    """A random policy solves nothing: every group's rewards are equal, so with drop_uniform_groups
+    the step takes no optimizer step and logs no loss (the policy is unchanged)."""
+    trainer = Trainer(_cfg(tokenizer_dir, tmp_path / "d", steps=1, drop_uniform_groups=True, eval_tasks=1))
+    before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    row = trainer.step()
+    assert row["frac_groups_all_equal"] == 1.0 and row["trajectories_updated"] == 0
+    assert row["loss"] is None and row["kl"] is None and row["grad_norm"] is None
+    assert all(torch.equal(before[n], p) for n, p in trainer.policy.named_parameters())
+
+
+def test_drop_uniform_groups_is_the_update_on_the_groups_with_signal_alone(tokenizer_dir, tmp_path):
+    """Real rollouts, rewards set by the test (scored_trainer.py): one group of two has a signal.
+    Dropping the other group gives the same update as a batch holding that group alone, and not the
+    update over both groups (whose KL and normalisers include the uniform one)."""
+    from scored_trainer import ScoredTrainer
+
+    def one_step(name: str, drop: bool, alone: bool):
+        trainer = ScoredTrainer(_cfg(tokenizer_dir, tmp_path / name, steps=1, drop_uniform_groups=drop,
+                                     entropy_coef=0.0, ppo_epochs=1))
+        trainer.keep_signal_group_only = alone
+        row = trainer.step()
+        return row, {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+
+    dropped, w_dropped = one_step("dropped", True, False)
+    alone, w_alone = one_step("alone", False, True)
+    both, w_both = one_step("both", False, False)
+    assert dropped["trajectories_updated"] == alone["trajectories_updated"] == 2 and both["trajectories_updated"] == 4
+    assert dropped["frac_groups_all_equal"] == 0.5 and dropped["reward_mean"] == 0.25
+    for key in ("loss", "pg_loss", "kl", "grad_norm"):
+        assert dropped[key] == pytest.approx(alone[key], rel=1e-5, abs=1e-8), key
+    assert abs(dropped["loss"] - both["loss"]) > 1e-4 * abs(dropped["loss"])
+    for n in w_dropped:
+        torch.testing.assert_close(w_dropped[n], w_alone[n], rtol=1e-5, atol=1e-7)
+    assert any(not torch.allclose(w_dropped[n], w_both[n]) for n in w_dropped)
+
+
+@pytest.mark.slow
+def test_drop_uniform_groups_under_torchrun_when_one_rank_has_nothing_to_learn(tokenizer_dir, tmp_path):
+    """Two processes (gloo, FSDP2), the group with a signal on rank 0 only: rank 1 runs zero-weighted
+    micro-batches to keep FSDP's collectives in step, and the run matches one process."""
+    script = Path(__file__).with_name("scored_trainer.py")
+    runs = {}
+    for nproc in (2, 1):
+        cfg = _cfg(tokenizer_dir, tmp_path / f"p{nproc}", steps=2, save_every=0, drop_uniform_groups=True,
+                   eval_tasks=1)
+        path = tmp_path / f"p{nproc}.json"
+        path.write_text(__import__("json").dumps(cfg.to_dict()))
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] \
+            if nproc == 2 else [sys.executable]
+        done = subprocess.run([*launcher, str(script), str(path)], cwd=ROOT, capture_output=True, text=True,
+                              timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[nproc] = _metrics(tmp_path / f"p{nproc}")
+    a, b = runs[2], runs[1]
+    assert list(a["trajectories_updated"].iloc[1:]) == list(b["trajectories_updated"].iloc[1:]) == [2, 2]
+    assert (a["loss"].iloc[1:].abs() > 1e-4).all()
+    for key in ("loss", "kl", "entropy", "grad_norm", "ratio_mean", "reward_mean"):
+        pd.testing.assert_series_equal(a[key].iloc[1:], b[key].iloc[1:], rtol=1e-4, atol=1e-7, check_names=False)
