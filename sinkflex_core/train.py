@@ -1110,13 +1110,13 @@ class Trainer:
         return parts + [(torch.zeros(1, dtype=torch.long), False)] * (n - len(parts))
 
     @torch.no_grad()
-    def _frozen_logprobs(self, rows: dict, which: str, idx: torch.Tensor | None = None) -> torch.Tensor:
+    def _frozen_logprobs(self, rows: dict, which: str, only: torch.Tensor | None = None) -> torch.Tensor:
         """(B, L) log-probs of the reference policy (``which="ref"``) or of the current policy
-        before any update (``"old"``), computed in micro-batches, for the rows ``idx`` (default: all;
+        before any update (``"old"``), computed in micro-batches, for the rows ``only`` (default: all;
         the others stay 0)."""
         B = rows["input_ids"].shape[0]
         out = torch.zeros_like(rows["old_logprobs"], dtype=torch.float32)
-        for idx, real in self._micro_batches(rows, torch.arange(B) if idx is None else idx):
+        for idx, real in self._micro_batches(rows, torch.arange(B) if only is None else only):
             sub = _trim(rows, idx)
             lo = int(rows["attention_mask"][idx].bool().any(0).nonzero().min())
             if which == "ref" and self.ref is None:  # LoRA: the base model is the reference
