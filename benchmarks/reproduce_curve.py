@@ -29,7 +29,7 @@ import pandas as pd
 from sinkflex_core import sft, train
 from sinkflex_core.paths import data_dir, repo_root
 
-PAPER_START, PAPER_END = 0.25, 0.44
+PAPER_START, PAPER_END = train.PAPER_REWARD_START, train.PAPER_REWARD_END
 
 
 def run_sft(out_root: Path, smoke: bool, threads: int, progress: bool = True) -> Path:
@@ -204,9 +204,8 @@ def record(out_root: Path, sft_dir: Path, seeds: list[int], parallel: int, smoke
         if not smoke:
             df.to_csv(data_dir() / f"reward_curve_seed{seed}.csv", index=False)
     full = pd.concat(tables, ignore_index=True)
-    curve = full[full["eval_reward"].notna()].copy()
-    # each seed's last evaluation (the end of its curve; data/paper_claims.csv matches the paper's end on it)
-    curve["last_eval"] = curve["step"] == curve.groupby("seed")["step"].transform("max")
+    # each seed's evaluations; data/paper_claims.csv matches the paper's end on each seed's last one
+    curve = train.evaluations(full)
     keep = train.CURVE_COLUMNS + [c for c in full.columns if c not in train.METRIC_COLUMNS and c != "seed"] + \
         ["last_eval"]
     if not smoke:

@@ -1137,19 +1137,12 @@ def regenerate_figures(data: Path | None = None, figures: Path | None = None):
     curve = data / "reward_curve.csv"
     if curve.exists():
         train = importlib.import_module("sinkflex_core.train")
-        df = pd.read_csv(curve)
-        fig, ax = plt.subplots(figsize=(7.5, 4.2))
-        train.plot_reward_curves(df, ax=ax, label="recorded (data/reward_curve.csv):", color="tab:blue")
-        for _, c in paper[paper["quantity"] == "reward"].iterrows() if len(paper) else []:
-            ax.axhline(c["value"], color="grey", ls=":" if "start" in c["claim_id"] else "--", lw=1)
-        ax.text(ax.get_xlim()[0], 0.445, " paper: 0.25 -> 0.44 (7B, 8 x H100)", fontsize=8, color="grey",
-                va="bottom")
-        ax.set_title("GRPO on the retail store: held-out test reward, tiny policy on a 2-core CPU")
-        ax.legend(fontsize=8, loc="center right")
-        fig.tight_layout()
+        sft_path = data / "reward_curve_sft.csv"
+        # The same figure as notebook 05's (which may add a run of one's own).
+        fig = train.reward_figure(pd.read_csv(curve), pd.read_csv(sft_path) if sft_path.exists() else None)
         fig.savefig(figures / "reward_curve.png", dpi=120)
         plt.close(fig)
-        done.append(("reward_curve.png", "reward_curve.csv", "regenerated"))
+        done.append(("reward_curve.png", "reward_curve.csv, reward_curve_sft.csv", "regenerated"))
     else:
         done.append(("reward_curve.png", "reward_curve.csv", "skipped: not in data/ yet (benchmarks/reproduce_curve.py)"))
 

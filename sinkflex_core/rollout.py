@@ -460,7 +460,13 @@ class HFBackend:
     ``reuse_cache=False`` re-encodes each episode's whole history every turn (the baseline).
     ``fast_path`` (default): the cache grows in preallocated room rather than by concatenation, and
     with a model on transformers' ``"sdpa"`` attention, grouped-query attention runs without expanding
-    the cache (:func:`_grouped_sdpa_forward`; the same attention, within float rounding).
+    the cache (:func:`_grouped_sdpa_forward`; the same attention, within float rounding). Decoding is
+    memory-bound on the cache, so the fast path also keeps padding out of it: once a quarter of the
+    rows of a turn have stopped, they are set aside until the turn ends (the others decode on without
+    them), and each turn starts from a cache whose rows hold their real tokens first, as wide as the
+    longest row. Measured on the 64 rollouts of a GRPO step of the tiny SFT policy (two threads), 37 %
+    of the cache columns attended to were real tokens before these two changes; the rollouts took
+    71 s before and 36 s after, the sampling change of :func:`sample_tokens` included.
     ``fast_path=False`` uses transformers' stock ``DynamicCache`` and SDPA (the reference;
     ``benchmarks/bench_rollout.py`` compares the two). Deterministic on CPU for a given batch and seeds."""
 

@@ -1480,20 +1480,31 @@ def curve_table(run_dir: str | os.PathLike, seed: int, **extra) -> Any:
     return df
 
 
+# The paper's retail reward: SFT start and end of GRPO training (Qwen2.5-7B-Instruct, 8 x H100).
+PAPER_REWARD_START, PAPER_REWARD_END = 0.25, 0.44
+
+
+def evaluations(df) -> Any:
+    """The rows of a curve table that hold an evaluation, by seed and step, with ``last_eval`` True on
+    each seed's last one: the end of its curve (seeds stopped by a time limit end at different steps)."""
+    ev = df[df["eval_reward"].notna()].sort_values(["seed", "step"], kind="stable").copy()
+    ev["last_eval"] = ev["step"] == ev.groupby("seed")["step"].transform("max")
+    return ev
+
+
 def summarize_curves(df) -> Any:
     """One row per seed of a curve table: test reward at the first and last evaluation, the gain, the
     best evaluation, steps and minutes; plus a last row ``mean`` (and ``std``) over seeds."""
     import pandas as pd
 
     rows = []
-    for seed, g in df.sort_values("step").groupby("seed"):
-        ev = g[g["eval_reward"].notna()]
-        if ev.empty:
-            continue
-        rows.append({"seed": seed, "start": float(ev["eval_reward"].iloc[0]), "end": float(ev["eval_reward"].iloc[-1]),
-                     "gain": float(ev["eval_reward"].iloc[-1] - ev["eval_reward"].iloc[0]),
-                     "best": float(ev["eval_reward"].max()), "pass1_end": float(ev["eval_pass1"].iloc[-1]),
-                     "passk_end": float(ev["eval_passk"].iloc[-1]), "steps": int(g["step"].max()),
+    for seed, ev in evaluations(df).groupby("seed"):
+        g = df[df["seed"] == seed]
+        first, last = ev.iloc[0], ev[ev["last_eval"]].iloc[0]
+        rows.append({"seed": seed, "start": float(first["eval_reward"]), "end": float(last["eval_reward"]),
+                     "gain": float(last["eval_reward"] - first["eval_reward"]),
+                     "best": float(ev["eval_reward"].max()), "pass1_end": float(last["eval_pass1"]),
+                     "passk_end": float(last["eval_passk"]), "steps": int(g["step"].max()),
                      "minutes": float(g["elapsed_s"].max() / 60)})
     out = pd.DataFrame(rows)
     if len(out) > 1:
@@ -1512,7 +1523,7 @@ def plot_reward_curves(df, ax=None, label: str = "", color: str | None = None, x
 
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 4))
-    ev = df[df["eval_reward"].notna()].copy()
+    ev = evaluations(df)
     ev["minutes"] = ev["elapsed_s"] / 60
     seeds = sorted(ev["seed"].unique())
     for seed in seeds:
@@ -1527,13 +1538,49 @@ def plot_reward_curves(df, ax=None, label: str = "", color: str | None = None, x
         ax.plot(xs, mean.values, color=color, lw=2.2, marker="o", ms=3,
                 label=f"{label} mean of {len(seeds)} seeds (band: min-max)")
         ax.fill_between(xs, lo.values, hi.values, color=color, alpha=0.15)
-        last = ev.sort_values("step").groupby("seed").tail(1)
+        last = ev[ev["last_eval"]]
         ax.plot([last[x].mean()], [last["eval_reward"].mean()], color=color, marker="*", ms=11, ls="none",
                 label=f"{label} mean of each seed's last evaluation: {last['eval_reward'].mean():.3f}")
     ax.set_xlabel("GRPO step" if x == "step" else "minutes")
     ax.set_ylabel("mean test reward")
     ax.grid(alpha=0.3)
     return ax
+
+
+def reward_figure(recorded=None, sft_recorded=None, live=None):
+    """The figure ``figures/reward_curve.png`` (notebooks 05 and 07): the SFT start's validation reward
+    per stage (``data/reward_curve_sft.csv``) beside GRPO's test reward for every recorded seed
+    (``data/reward_curve.csv``), with the paper's start and end; ``live``, a curve table of a run of
+    one's own, is added in its own colour. Any of the three may be None."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax0, ax) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1, 1.4]})
+    if sft_recorded is not None:
+        x = "total_step" if "total_step" in sft_recorded else "step"
+        for run, g in sft_recorded.groupby("run", sort=False):
+            ax0.plot(g[x], g["val_reward"], marker="o", label=f"{run} (peak lr {g['peak_lr'].iloc[0]:g})")
+    ax0.axhline(PAPER_REWARD_START, color="grey", ls=":", lw=1, label=f"wanted start: {PAPER_REWARD_START}")
+    ax0.set_xlabel("SFT step")
+    ax0.set_ylabel("mean reward, held-out training tasks")
+    ax0.set_title("SFT start (data/reward_curve_sft.csv)", fontsize=10)
+    ax0.grid(alpha=0.3)
+    ax0.legend(fontsize=8)
+    if recorded is not None:
+        plot_reward_curves(recorded, ax=ax, label="recorded:", color="tab:blue")
+    if live is not None:
+        plot_reward_curves(live, ax=ax, label="this run:", color="tab:orange")
+    ax.axhline(PAPER_REWARD_START, color="grey", ls=":", lw=1, label=f"paper, start: {PAPER_REWARD_START}")
+    ax.axhline(PAPER_REWARD_END, color="grey", ls="--", lw=1, label=f"paper, end: {PAPER_REWARD_END} (7B, 8 x H100)")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("mean test reward")
+    ax.grid(alpha=0.3)
+    ax.set_title("GRPO: test reward (data/reward_curve.csv)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    n_params = f"{recorded['parameters'].iloc[0] / 1e6:.1f}M parameters, " \
+        if recorded is not None and "parameters" in recorded else ""
+    fig.suptitle(f"Retail store, tiny Qwen2 policy ({n_params}trained from scratch) on a 2-core CPU", fontsize=11)
+    fig.tight_layout()
+    return fig
 
 
 # --------------------------------------------------------------------------------------------------

@@ -196,3 +196,17 @@ def test_targets_and_figures_from_a_gpu_run(tmp_path):
     assert made.loc["vram_vs_length.png", "status"] == "regenerated"
     assert (tmp_path / "fig" / "vram_vs_length.png").stat().st_size > 10_000
     assert made.loc["reward_curve.png", "status"].startswith("skipped")
+
+
+def test_reward_figure_is_regenerated_from_the_recorded_curves(tmp_path):
+    import pandas as pd
+
+    pd.DataFrame({"seed": [0, 0, 1, 1], "step": [0, 6, 0, 8], "eval_reward": [0.1, 0.3, 0.2, 0.5],
+                  "elapsed_s": [0, 600, 0, 700], "last_eval": [False, True, False, True]}).to_csv(
+        tmp_path / "reward_curve.csv", index=False)
+    pd.DataFrame({"run": ["sft"], "step": [500], "total_step": [500], "val_reward": [0.05], "peak_lr": [2e-3]}).to_csv(
+        tmp_path / "reward_curve_sft.csv", index=False)
+    made = bench.regenerate_figures(tmp_path, tmp_path / "fig").set_index("figure")
+    assert made.loc["reward_curve.png", "status"] == "regenerated"
+    assert made.loc["reward_curve.png", "made_from"] == "reward_curve.csv, reward_curve_sft.csv"
+    assert (tmp_path / "fig" / "reward_curve.png").stat().st_size > 10_000

@@ -264,3 +264,44 @@ def test_reward_curve_plot_averages_only_shared_evaluations_and_marks_each_seeds
     end = next(line for line in ax.lines if "last evaluation" in line.get_label())
     assert np.allclose(end.get_xdata(), [7.0]) and np.allclose(end.get_ydata(), [0.6])
     assert "0.600" in end.get_label()
+
+
+def _two_seeds():
+    # seed 1's last row has no evaluation: its end is its last evaluation (step 6), not its last step
+    return pd.DataFrame({"seed": [0, 0, 0, 1, 1, 1, 1], "step": [0, 4, 8, 0, 4, 6, 7],
+                         "eval_reward": [0.1, 0.2, 0.3, 0.3, 0.4, 0.1, None],
+                         "eval_pass1": [0.1, 0.2, 0.3, 0.3, 0.4, 0.1, None],
+                         "eval_passk": [0.0, 0.1, 0.2, 0.2, 0.3, 0.0, None],
+                         "elapsed_s": [0, 60, 120, 0, 60, 90, 100], "parameters": 1.6e6})
+
+
+def test_evaluations_and_summary_take_each_seeds_last_evaluation_as_its_end():
+    df = _two_seeds()
+    ev = train.evaluations(df.sample(frac=1.0, random_state=0))  # any row order
+    assert list(zip(ev["seed"], ev["step"], ev["last_eval"])) == [
+        (0, 0, False), (0, 4, False), (0, 8, True), (1, 0, False), (1, 4, False), (1, 6, True)]
+    s = train.summarize_curves(df).set_index("seed")
+    assert s.loc[0, "end"] == 0.3 and s.loc[1, "end"] == 0.1 and s.loc[1, "steps"] == 7
+    assert s.loc[1, "gain"] == pytest.approx(-0.2) and s.loc[1, "best"] == 0.4
+    assert s.loc["mean", "gain"] == pytest.approx(0.0) and s.loc["mean", "start"] == pytest.approx(0.2)
+
+
+def test_reward_figure_draws_the_sft_stages_the_recorded_seeds_and_a_run_of_ones_own():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    sft_recorded = pd.DataFrame({"run": ["sft", "sft", "sft_identity"], "step": [500, 1000, 250],
+                                 "total_step": [500, 1000, 1250], "val_reward": [0.0, 0.05, 0.05],
+                                 "peak_lr": [2e-3, 2e-3, 1e-3]})
+    live = _two_seeds()[lambda d: d["seed"] == 0]
+    fig = train.reward_figure(_two_seeds(), sft_recorded, live)
+    sft_ax, grpo_ax = fig.axes
+    stages = [line for line in sft_ax.lines if line.get_label().startswith("sft")]
+    assert [list(line.get_xdata()) for line in stages] == [[500, 1000], [1250]]
+    labels = [line.get_label() for line in grpo_ax.lines]
+    assert any(label.startswith("recorded: mean of 2 seeds") for label in labels)
+    assert any(label.startswith("this run: seed 0") for label in labels)
+    assert any(label.startswith("paper, end: 0.44") for label in labels)
+    assert "1.6M parameters" in fig._suptitle.get_text()
+    # no data at all: the empty panels with the paper's lines, no error
+    assert len(train.reward_figure().axes) == 2
