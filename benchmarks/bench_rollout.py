@@ -95,8 +95,10 @@ def policy_step(path: str) -> None:
         print(f"{name:>6} {runs[name][0]:>8.2f} {int(batch.loss_mask.sum()):>10} "
               f"{sum(s['turns'] for s in batch.stats) / len(batch):>10.1f} {float(batch.rewards.mean()):>11.3f}")
     (t_stock, a), (t_fast, b) = runs["stock"], runs["fast"]
-    same = [t.input_ids for t in a.trajectories] == [t.input_ids for t in b.trajectories]
-    print(f"speed-up {t_stock / t_fast:.2f}x, same samples: {same}")
+    # The two paths sum in different orders (log-probs agree to ~3e-5 at 1,400 tokens), so a draw that
+    # lands within that distance of a token boundary may go the other way and the episode diverge.
+    same = sum(x.input_ids == y.input_ids for x, y in zip(a.trajectories, b.trajectories))
+    print(f"speed-up {t_stock / t_fast:.2f}x; identical trajectories: {same} of {len(a)}")
 
 
 def main() -> None:
