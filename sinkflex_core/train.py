@@ -39,6 +39,7 @@ import random
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,7 +140,8 @@ class TrainConfig:
     norm_adv_by_std: bool = True
     old_logprobs: str = "rollout"  # rollout: the sampling log-probs | recompute: the trainer's own
     drop_uniform_groups: bool = False  # True: groups whose rewards are all equal (advantage 0) are left
-    #                                     out of the update (no forward, backward or KL for them)
+    #                                     out of the update (no forward, backward or KL for them; the
+    #                                     entropy, clip and ratio metrics then cover the rest only)
 
     # -- evaluation --
     eval_every: int = 4  # steps; 0 = only before the first and after the last step
@@ -1175,7 +1177,13 @@ class Trainer:
                 n_tok, n_seq = d.sum([norms["num_tokens"], norms["num_seqs"]])
                 n_tok, n_seq = max(1, int(n_tok)), max(1, int(n_seq))
                 micro = self._micro_batches(rows, mb_idx)
-                if not micro:  # no rank has a row to learn from in this mini-batch: no optimizer step
+                if not micro:
+                    # No rank has a row to learn from in this mini-batch: no optimizer step, but the
+                    # learning-rate schedule moves on (it counts mini-batch slots, so that a cosine
+                    # schedule still ends at the last step).
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+                        self.scheduler.step()
                     continue
                 mb_loss = mb_pg = mb_kl = 0.0
                 for idx, real in micro:

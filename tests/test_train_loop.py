@@ -221,12 +221,15 @@ def test_time_budget_stops_after_the_evaluation_that_used_it_up(tokenizer_dir, t
 def test_drop_uniform_groups_skips_a_step_without_signal(tokenizer_dir, tmp_path):
     """A random policy solves nothing: every group's rewards are equal, so with drop_uniform_groups
     the step takes no optimizer step and logs no loss (the policy is unchanged)."""
-    trainer = Trainer(_cfg(tokenizer_dir, tmp_path / "d", steps=1, drop_uniform_groups=True, eval_tasks=1))
+    trainer = Trainer(_cfg(tokenizer_dir, tmp_path / "d", steps=2, drop_uniform_groups=True, eval_tasks=1,
+                           lr_schedule="cosine"))
     before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
     row = trainer.step()
     assert row["frac_groups_all_equal"] == 1.0 and row["trajectories_updated"] == 0
     assert row["loss"] is None and row["kl"] is None and row["grad_norm"] is None
     assert all(torch.equal(before[n], p) for n, p in trainer.policy.named_parameters())
+    # the schedule moved on all the same: half of the cosine (4 of 8 mini-batch slots) is behind it
+    assert row["lr"] == pytest.approx(0.5 * trainer.cfg.lr)
 
 
 def test_drop_uniform_groups_is_the_update_on_the_groups_with_signal_alone(tokenizer_dir, tmp_path):
