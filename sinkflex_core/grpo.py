@@ -389,6 +389,7 @@ def rows_with_signal(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Te
     return (rmax > rmin)[inv]
 
 
+@torch.no_grad()
 def reward_metrics(rewards: torch.Tensor, group_ids: torch.Tensor,
                    advantages: torch.Tensor | None = None) -> dict[str, float]:
     """Reward and advantage statistics of a rollout batch: mean, std (unbiased), min, max, the number of

@@ -594,19 +594,11 @@ class HFBackend:
         width = max(m.shape[1] for _, _, m in parts)
         order = torch.tensor([i for r, _, _ in parts for i in r], device=self.device)
         back = torch.argsort(order)
-
-        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
-            extra = width - t.shape[dim]
-            if not extra:
-                return t
-            shape = list(t.shape)
-            shape[dim] = extra
-            return torch.cat([t, t.new_zeros(shape)], dim=dim)
-
+        pad = torch.nn.functional.pad  # zeros on the right of the column axis
         for n, layer in enumerate(self._cache.layers):
-            layer.keys = torch.cat([pad(kv[n][0], 2) for _, kv, _ in parts])[back]
-            layer.values = torch.cat([pad(kv[n][1], 2) for _, kv, _ in parts])[back]
-        self._mask = torch.cat([pad(m, 1) for _, _, m in parts])[back]
+            layer.keys = torch.cat([pad(kv[n][0], (0, 0, 0, width - m.shape[1])) for _, kv, m in parts])[back]
+            layer.values = torch.cat([pad(kv[n][1], (0, 0, 0, width - m.shape[1])) for _, kv, m in parts])[back]
+        self._mask = torch.cat([pad(m, (0, width - m.shape[1])) for _, _, m in parts])[back]
 
     @torch.inference_mode()
     def generate(self, requests: Sequence[GenerationRequest], temperature: float = 1.0,

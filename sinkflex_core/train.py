@@ -1105,11 +1105,11 @@ class Trainer:
         waste less compute on padding), each with a flag ``real``. Under torch.distributed every rank
         gets as many micro-batches as the rank with the most, because FSDP's collectives run at every
         forward and backward on every rank: the extra ones are row 0, to be weighted 0 and not counted
-        (only needed when ranks keep different numbers of rows: ``drop_uniform_groups``)."""
+        (only when ranks can keep different numbers of rows: ``drop_uniform_groups``)."""
         mb = self.cfg.micro_batch_size
         idx = idx[torch.argsort(rows["attention_mask"][idx].sum(1), descending=True, stable=True)]
         parts = [(idx[j:j + mb], True) for j in range(0, len(idx), mb)]
-        n = int(self._max(float(len(parts))))
+        n = int(self._max(float(len(parts)))) if self.cfg.drop_uniform_groups else len(parts)
         return parts + [(torch.zeros(1, dtype=torch.long), False)] * (n - len(parts))
 
     @torch.no_grad()
