@@ -74,15 +74,13 @@ def policy_step(path: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from sinkflex_core.models import load_tokenizer
-    from sinkflex_core.rollout import HFBackend, RolloutConfig, collect_rollouts
-    from sinkflex_core.train import resolve_config
+    from sinkflex_core.rollout import HFBackend, collect_rollouts
+    from sinkflex_core.train import resolve_config, rollout_config
 
     cfg = resolve_config("tiny-cpu")
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tok = load_tokenizer(path)
-    rcfg = RolloutConfig(group_size=cfg.group_size, max_turns=cfg.max_turns, max_total_tokens=cfg.max_total_tokens,
-                         max_new_tokens_per_turn=cfg.max_new_tokens_per_turn, temperature=cfg.temperature,
-                         top_p=cfg.top_p, seed=0, system_prompt=cfg.system_prompt, include_tools=cfg.include_tools)
+    rcfg = rollout_config(cfg, seed=0)
     tasks = list(range(cfg.tasks_per_step))
     print(f"\n## One GRPO step's rollouts with {path}: {len(tasks)} training tasks x {cfg.group_size}, up to "
           f"{cfg.max_new_tokens_per_turn} tokens a turn and {cfg.max_total_tokens} in all")

@@ -296,6 +296,20 @@ TINY_CPU = dict(preset="tiny-cpu", drop_uniform_groups=True)
 PRESETS: dict[str, dict] = {"tiny-cpu": TINY_CPU, "paper-8xh100": PAPER_8XH100}
 
 
+def rollout_config(cfg: TrainConfig, seed: int, group_size: int | None = None, temperature: float | None = None):
+    """The :class:`sinkflex_core.rollout.RolloutConfig` of a run's rollouts: ``cfg``'s turn and token
+    limits, prompt and sampling settings, with ``group_size`` and ``temperature`` (default: the
+    config's training ones) and the sampling ``seed``."""
+    from . import rollout
+
+    return rollout.RolloutConfig(group_size=cfg.group_size if group_size is None else group_size,
+                                 max_turns=cfg.max_turns, max_total_tokens=cfg.max_total_tokens,
+                                 max_new_tokens_per_turn=cfg.max_new_tokens_per_turn,
+                                 temperature=cfg.temperature if temperature is None else temperature,
+                                 top_p=cfg.top_p, seed=seed, system_prompt=cfg.system_prompt,
+                                 include_tools=cfg.include_tools)
+
+
 def _coerce_simple(default: Any, text: str) -> Any:
     """``text`` read as the type of ``default`` (bool, int, float, str, or None meaning an optional str)."""
     if isinstance(default, bool):
@@ -1059,16 +1073,6 @@ class Trainer:
         if self.cfg.rollout_backend == "vllm":
             self.backend.update_weights(self._merged_for_vllm())
 
-    def _rollout_config(self, seed: int, group_size: int, temperature: float):
-        from . import rollout
-
-        c = self.cfg
-        return rollout.RolloutConfig(group_size=group_size, max_turns=c.max_turns,
-                                     max_total_tokens=c.max_total_tokens,
-                                     max_new_tokens_per_turn=c.max_new_tokens_per_turn,
-                                     temperature=temperature, top_p=c.top_p, seed=seed,
-                                     system_prompt=c.system_prompt, include_tools=c.include_tools)
-
     def _collect(self, tasks: list[int], split: str, group_size: int, temperature: float,
                  seed_key: tuple) -> list:
         """Rollouts for ``tasks`` (this rank's share), in calls of ``rollout_tasks_per_call`` tasks.
@@ -1088,7 +1092,7 @@ class Trainer:
         try:
             for i in range(0, len(tasks), per_call):
                 torch.manual_seed(seed)
-                rcfg = self._rollout_config(seed, group_size, temperature)
+                rcfg = rollout_config(self.cfg, seed, group_size, temperature)
                 out.append(rollout.collect_rollouts(self.backend, self.tokenizer, self.cfg.env_id,
                                                     tasks[i:i + per_call], split, rcfg))
         finally:

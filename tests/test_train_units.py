@@ -87,6 +87,17 @@ def test_print_config_gives_a_torchrun_command(capsys):
     assert printed["group_size"] == 4 and printed["lr"] == 5e-6
 
 
+def test_rollout_config_carries_the_runs_rollout_settings():
+    cfg = train.resolve_config("tiny-cpu", {"max_turns": 5, "max_total_tokens": 700, "max_new_tokens_per_turn": 33,
+                                            "temperature": 0.7, "top_p": 0.9, "group_size": 3,
+                                            "include_tools": True, "system_prompt": "hi"})
+    r = train.rollout_config(cfg, seed=11)
+    assert (r.group_size, r.max_turns, r.max_total_tokens, r.max_new_tokens_per_turn) == (3, 5, 700, 33)
+    assert (r.temperature, r.top_p, r.seed, r.system_prompt, r.include_tools) == (0.7, 0.9, 11, "hi", True)
+    e = train.rollout_config(cfg, seed=2, group_size=1, temperature=1.0)  # an evaluation's
+    assert (e.group_size, e.temperature, e.max_turns) == (1, 1.0, 5)
+
+
 def test_total_steps_from_epochs():
     cfg = TrainConfig(tasks_per_step=8, epochs=3.0, steps=0)
     assert cfg.total_steps(num_train_tasks=20) == 8  # ceil(3 * 20 / 8)
