@@ -98,6 +98,7 @@ class TrainConfig:
     # -- environment and rollouts --
     env_id: str = "sinkflex/Retail-v0"
     train_split: str = "train"
+    train_tasks: int = 0  # the first N tasks of train_split (0: all); a few tasks make GRPO's overfitting check
     eval_split: str = "test"
     max_turns: int = 16
     system_prompt: str | None = COMPACT_SYSTEM_PROMPT  # None: the environment's policy text
@@ -188,7 +189,7 @@ class TrainConfig:
                      "keep_checkpoints", "vocab_size", "hidden_size", "num_layers"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
                  f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("steps", "warmup_steps", "eval_every", "save_every", "eval_tasks", "threads",
+        for name in ("steps", "warmup_steps", "eval_every", "save_every", "train_tasks", "eval_tasks", "threads",
                      "logprob_chunk_size", "tile_mlp_tokens", "rollout_tasks_per_call", "n_sink"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
                  f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
@@ -1008,7 +1009,8 @@ class Trainer:
         if d.main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
 
-        self.num_train_tasks = _num_tasks(cfg.env_id, cfg.train_split)
+        n_train = _num_tasks(cfg.env_id, cfg.train_split)
+        self.num_train_tasks = min(cfg.train_tasks, n_train) if cfg.train_tasks else n_train
         n_eval = _num_tasks(cfg.env_id, cfg.eval_split)
         self.eval_task_ids = list(range(min(cfg.eval_tasks, n_eval) if cfg.eval_tasks else n_eval))
         self.total_steps = cfg.total_steps(self.num_train_tasks)

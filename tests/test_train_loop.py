@@ -157,6 +157,15 @@ def test_config_that_cannot_be_split_across_processes_is_refused(tokenizer_dir, 
         Trainer(_cfg(tokenizer_dir, tmp_path / "x", tasks_per_step=3), train.Dist(rank=0, world=2))
 
 
+def test_train_tasks_limits_the_sampled_tasks(tokenizer_dir, tmp_path):
+    trainer = Trainer(_cfg(tokenizer_dir, tmp_path / "few", train_tasks=3, tasks_per_step=2, epochs=2.0, steps=0))
+    assert trainer.num_train_tasks == 3 and trainer.total_steps == 3  # ceil(2 epochs x 3 tasks / 2)
+    drawn = [t for _ in range(6) for t in trainer.sampler.next_batch()]
+    assert sorted(drawn) == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]
+    with pytest.raises(train.ConfigError, match="train_tasks"):
+        _cfg(tokenizer_dir, tmp_path / "bad", train_tasks=-1)
+
+
 def test_resume_refuses_a_different_config(tokenizer_dir, tmp_path):
     Trainer(_cfg(tokenizer_dir, tmp_path / "r", steps=1, eval_tasks=1)).run()
     with pytest.raises(train.ConfigError, match="different config"):
