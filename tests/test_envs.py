@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections import Counter
@@ -23,6 +24,7 @@ from sinkflex_core.envs import (
     format_tool_call,
     get_tasks,
     parse_action,
+    pass_at_k,
     pass_hat_k,
     run_episode,
     state_hash,
@@ -422,6 +424,20 @@ def test_bank_grading_is_by_result_set():
     _, reward, terminated, _, _ = env.step(format_tool_call("submit_answer", {"query": f"SELECT * FROM ({sql}) LIMIT 1"}))
     assert terminated and reward == 0.0
     env.close()
+
+
+def test_pass_at_k_is_the_chance_that_one_of_k_tries_succeeds():
+    assert pass_at_k([[True, True, False, False]], 1) == pytest.approx(0.5)
+    assert pass_at_k([[True, True, False, False]], 2) == pytest.approx(5 / 6)  # 1 - C(2,2)/C(4,2)
+    assert pass_at_k([(1, 4), (0, 4)], 4) == pytest.approx(0.5)
+    outcomes = [True, False, True, False, False]  # every 3 of the 5 tries, counted by hand
+    subsets = list(itertools.combinations(outcomes, 3))
+    assert pass_at_k([outcomes], 3) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+    assert pass_at_k([(3, 8), (1, 8)], 1) == pytest.approx(pass_hat_k([(3, 8), (1, 8)], 1))
+    with pytest.raises(ValueError, match="fewer than k"):
+        pass_at_k([[True]], 2)
+    with pytest.raises(ValueError, match="positive int"):
+        pass_at_k([[True]], 0)
 
 
 def test_pass_hat_k():

@@ -24,7 +24,7 @@ from .base import (
     parse_action,
 )
 from .customer import STOP, Customer, ScriptedCustomer
-from .metrics import pass_hat_k
+from .metrics import pass_at_k, pass_hat_k
 from .retail import RetailBackend, expected_hash, retail_policy
 from .retail_tasks import get_tasks, parse_identity, parse_request
 from .retail_tools import TOOL_NAMES, WRITE_TOOLS, RetailTools
@@ -78,5 +78,5 @@ __all__ = [
     "OracleAgent", "RandomAgent", "RetailBackend", "RetailTools", "RetailWorld", "ScriptedCustomer",
     "ToolBackend", "ToolEnv", "ToolResult", "expected_hash", "expert_conversation", "format_tool_call",
     "get_tasks", "make_bank_env", "make_retail_env", "make_retail_http_env", "parse_action",
-    "parse_identity", "parse_request", "pass_hat_k", "retail_policy", "run_episode", "state_hash",
+    "parse_identity", "parse_request", "pass_at_k", "pass_hat_k", "retail_policy", "run_episode", "state_hash",
 ]

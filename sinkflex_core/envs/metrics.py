@@ -1,4 +1,5 @@
-"""pass^k: the chance that k independent tries at a task all succeed."""
+"""pass^k, the chance that k independent tries at a task all succeed, and pass@k, the chance that at
+least one of them does."""
 
 from __future__ import annotations
 
@@ -12,11 +13,30 @@ def pass_hat_k(successes_per_task: Sequence, k: int) -> float:
     ``successes_per_task`` is either a list of per-task outcome lists (``[[True, False, ...], ...]``)
     or a list of ``(c, n)`` pairs. Every task needs at least ``k`` tries.
     """
+    _check_k(successes_per_task, k)
+    return sum(comb(c, k) / comb(n, k) for c, n in _counts(successes_per_task, k)) / len(successes_per_task)
+
+
+def pass_at_k(successes_per_task: Sequence, k: int) -> float:
+    """Mean over tasks of 1 - C(n - c, k) / C(n, k): the unbiased estimate, from n tries with c
+    successes, of the chance that at least one of k tries succeeds. Same input as :func:`pass_hat_k`.
+
+    The share of tasks a policy solves at least sometimes: what sharpening its sampling distribution
+    (as reinforcement learning on its own samples mostly does) can raise its mean reward towards."""
+    _check_k(successes_per_task, k)
+    return sum(1 - comb(n - c, k) / comb(n, k) for c, n in _counts(successes_per_task, k)) / len(successes_per_task)
+
+
+def _check_k(successes_per_task: Sequence, k: int) -> None:
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
     if len(successes_per_task) == 0:
-        raise ValueError("pass_hat_k needs at least one task")
-    total = 0.0
+        raise ValueError("pass^k and pass@k need at least one task")
+
+
+def _counts(successes_per_task: Sequence, k: int) -> list[tuple[int, int]]:
+    """(c, n) per task, checked: 0 <= c <= n and n >= k."""
+    out = []
     for i, entry in enumerate(successes_per_task):
         if isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(v, int) for v in entry):
             c, n = entry
@@ -27,5 +47,5 @@ def pass_hat_k(successes_per_task: Sequence, k: int) -> float:
             raise ValueError(f"task {i}: successes {c} not in [0, {n}]")
         if n < k:
             raise ValueError(f"task {i} has {n} tries, fewer than k={k}")
-        total += comb(c, k) / comb(n, k)
-    return total / len(successes_per_task)
+        out.append((c, n))
+    return out

@@ -1,0 +1,125 @@
+"""How far can reinforcement learning on its own samples take a policy? pass@k on the test tasks.
+
+GRPO raises the probability of what a policy already samples now and then; a task the policy never
+solves in many tries gives it no signal at all. So pass@k, the share of tasks solved at least once
+in k tries, tells what sharpening the policy's sampling could raise its mean reward (pass@1)
+towards. This script samples ``--samples`` episodes of every one of the first ``--tasks`` tasks of
+``--split`` with a saved policy (the rollout settings of the tiny-cpu GRPO preset, temperature 1),
+then prints pass@k and pass^k for k = 1, 2, 4, ... and the tasks solved at least once, by the kind
+of request.
+
+    python benchmarks/pass_at_k.py --policy runs/curve/sft_identity      # 60 test tasks x 16, ~8 min on 2 cores
+    python benchmarks/pass_at_k.py --policy DIR --tasks 8 --samples 4    # a quick look
+
+``--out FILE`` writes one row per task (successes, tries, the task's write actions) with provenance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+print = functools.partial(print, flush=True)
+
+
+def task_kinds(split: str, tasks: list[int]) -> list[str]:
+    """Each task's write actions (``+``-joined), ``"read only"`` for a task that changes nothing."""
+    from sinkflex_core.envs import get_tasks
+
+    all_tasks = get_tasks(0, split)
+    return ["+".join(sorted({a["name"] for a in all_tasks[t]["actions"]})) or "read only" for t in tasks]
+
+
+def success_counts(backend, tokenizer, split: str, tasks: list[int], samples: int, tasks_per_call: int, seed: int,
+                   progress: bool = True) -> list[int]:
+    """Successful episodes (reward 1) out of ``samples`` for each task, played by ``backend`` (a
+    :class:`sinkflex_core.rollout.HFBackend` around the policy, or any generation backend)."""
+    from tqdm.auto import tqdm
+
+    from sinkflex_core.rollout import collect_rollouts
+    from sinkflex_core.train import derive_seed, resolve_config, rollout_config
+
+    cfg = resolve_config("tiny-cpu")
+    counts = []
+    chunks = [tasks[i:i + tasks_per_call] for i in range(0, len(tasks), tasks_per_call)]
+    with torch.no_grad():
+        for n, chunk in enumerate(tqdm(chunks, desc="pass@k rollouts", unit="call", disable=not progress)):
+            call_seed = derive_seed(seed, "pass_at_k", n) & 0x7FFFFFFF
+            torch.manual_seed(call_seed)
+            batch = collect_rollouts(backend, tokenizer, cfg.env_id, chunk, split,
+                                     rollout_config(cfg, call_seed, group_size=samples,
+                                                    temperature=cfg.eval_temperature))
+            gids = torch.as_tensor(batch.group_ids)
+            rewards = torch.as_tensor(batch.rewards, dtype=torch.float64)
+            for g in dict.fromkeys(gids.tolist()):
+                counts.append(int((rewards[gids == g] >= 1 - 1e-6).sum()))
+    if len(counts) != len(tasks):
+        raise RuntimeError(f"expected one group per task ({len(tasks)}), got {len(counts)}")
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    from transformers import AutoModelForCausalLM
+
+    from sinkflex_core.envs import pass_at_k, pass_hat_k
+    from sinkflex_core.models import load_tokenizer
+    from sinkflex_core.rollout import HFBackend
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--policy", required=True, help="a saved policy folder (model and tokenizer)")
+    p.add_argument("--split", default="test")
+    p.add_argument("--tasks", type=int, default=60, help="the first N tasks of the split")
+    p.add_argument("--samples", type=int, default=16, help="episodes per task")
+    p.add_argument("--tasks-per-call", type=int, default=8, help="tasks rolled out in one batched call")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--out", default="", help="a CSV file for the per-task counts (with provenance)")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if not (Path(args.policy) / "config.json").is_file():
+        p.error(f"--policy {args.policy}: no saved model there (config.json missing)")
+    if args.tasks < 1 or args.samples < 1 or args.tasks_per_call < 1:
+        p.error("--tasks, --samples and --tasks-per-call must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    tasks = list(range(args.tasks))
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(args.policy).eval()
+    tokenizer = load_tokenizer(args.policy)
+    counts = success_counts(HFBackend(model, tokenizer), tokenizer, args.split, tasks, args.samples,
+                            args.tasks_per_call, args.seed, progress=not args.no_progress)
+    minutes = (time.perf_counter() - start) / 60
+    pairs = [(c, args.samples) for c in counts]
+    print(f"\n{args.policy}: {len(tasks)} {args.split} tasks x {args.samples} episodes in {minutes:.1f} min")
+    print(f"{'k':>3} {'pass@k':>7} {'pass^k':>7}")
+    k = 1
+    while k <= args.samples:
+        print(f"{k:>3} {pass_at_k(pairs, k):>7.3f} {pass_hat_k(pairs, k):>7.3f}")
+        k *= 2
+    table = pd.DataFrame({"task": tasks, "kind": task_kinds(args.split, tasks), "successes": counts,
+                          "tries": args.samples})
+    by_kind = table.assign(solved=table["successes"] > 0).groupby("kind").agg(
+        tasks=("task", "size"), solved_once=("solved", "sum"), mean_reward=("successes", "sum"))
+    by_kind["mean_reward"] /= by_kind["tasks"] * args.samples
+    print(f"\nTasks solved at least once in {args.samples} tries, by the task's write actions:")
+    print(by_kind.sort_values("tasks", ascending=False).round(3).to_string())
+    if args.out:
+        from sinkflex_core.provenance import provenance
+
+        out = table.assign(policy=Path(args.policy).name, split=args.split, seed=args.seed, minutes=round(minutes, 2))
+        for key, value in provenance().items():
+            out[key] = value
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        out.to_csv(args.out, index=False)
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
