@@ -42,25 +42,20 @@ def success_counts(backend, tokenizer, split: str, tasks: list[int], samples: in
     from tqdm.auto import tqdm
 
     from sinkflex_core.rollout import collect_rollouts
-    from sinkflex_core.train import derive_seed, resolve_config, rollout_config
+    from sinkflex_core.train import derive_seed, per_task_rewards, resolve_config, rollout_config
 
     cfg = resolve_config("tiny-cpu")
-    counts = []
     chunks = [tasks[i:i + tasks_per_call] for i in range(0, len(tasks), tasks_per_call)]
+    batches = []
     with torch.no_grad():
         for n, chunk in enumerate(tqdm(chunks, desc="pass@k rollouts", unit="call", disable=not progress)):
             call_seed = derive_seed(seed, "pass_at_k", n) & 0x7FFFFFFF
             torch.manual_seed(call_seed)
-            batch = collect_rollouts(backend, tokenizer, cfg.env_id, chunk, split,
-                                     rollout_config(cfg, call_seed, group_size=samples,
-                                                    temperature=cfg.eval_temperature))
-            gids = torch.as_tensor(batch.group_ids)
-            rewards = torch.as_tensor(batch.rewards, dtype=torch.float64)
-            for g in dict.fromkeys(gids.tolist()):
-                counts.append(int((rewards[gids == g] >= 1 - 1e-6).sum()))
-    if len(counts) != len(tasks):
-        raise RuntimeError(f"expected one group per task ({len(tasks)}), got {len(counts)}")
-    return counts
+            batches.append(collect_rollouts(backend, tokenizer, cfg.env_id, chunk, split,
+                                            rollout_config(cfg, call_seed, group_size=samples,
+                                                           temperature=cfg.eval_temperature)))
+    rewards = per_task_rewards(batches, tasks, 0)  # task position -> its samples' rewards, in order
+    return [sum(r >= 1 - 1e-6 for r in rewards[i]) for i in range(len(tasks))]
 
 
 def main(argv: list[str] | None = None) -> int:
