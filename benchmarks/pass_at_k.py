@@ -12,6 +12,11 @@ of request.
     python benchmarks/pass_at_k.py --policy DIR --tasks 8 --samples 4    # a quick look
 
 ``--out FILE`` writes one row per task (successes, tries, the task's write actions) with provenance.
+Written for the training split, that file is a screen for GRPO (``--set task_screen=FILE``, see
+:func:`sinkflex_core.train.screened_tasks`): the run then trains only on the tasks solved sometimes.
+
+    python benchmarks/pass_at_k.py --policy runs/curve/sft_identity --split train --tasks 600 --samples 4 \
+        --out runs/screen/train_x4.csv                                    # ~20 min on 2 cores
 """
 
 from __future__ import annotations

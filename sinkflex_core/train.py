@@ -7,7 +7,8 @@
 
 One step (``Trainer.step``)::
 
-    tasks (sampler, data-order state in the checkpoint)
+    tasks (sampler, data-order state in the checkpoint; task_screen: only those a screening run of
+           the start solved sometimes, train.screened_tasks)
       -> rollouts, G per task (rollout.collect_rollouts; HF or vLLM backend)
       -> rewards -> group advantages (grpo.group_advantages)
       -> reference log-probs (LoRA: adapters disabled; full fine-tuning: a frozen copy)
@@ -99,6 +100,8 @@ class TrainConfig:
     env_id: str = "sinkflex/Retail-v0"
     train_split: str = "train"
     train_tasks: int = 0  # the first N tasks of train_split (0: all); a few tasks make GRPO's overfitting check
+    task_screen: str = ""  # a CSV of successes per train_split task (benchmarks/pass_at_k.py --out): train only
+    #                        on the tasks it shows solved sometimes but not always (see screened_tasks)
     eval_split: str = "test"
     max_turns: int = 16
     system_prompt: str | None = COMPACT_SYSTEM_PROMPT  # None: the environment's policy text
@@ -518,6 +521,40 @@ class TaskSampler:
             raise ValueError(f"checkpoint's task sampler ({state['num_tasks']} tasks, seed {state['seed']}) "
                              f"does not match this run ({self.num_tasks} tasks, seed {self.seed})")
         self.epoch, self.cursor = state["epoch"], state["cursor"]
+
+
+def screened_tasks(path: str | Path, split: str, num_tasks: int) -> list[int]:
+    """The tasks of ``split`` that a screening run solved sometimes but not always.
+
+    ``path`` is a CSV with one row per task and the columns ``task``, ``successes`` and ``tries``, as
+    ``benchmarks/pass_at_k.py --split train --out FILE`` writes it (its ``split`` column, if any, must
+    name ``split``). A task the policy never solves gives GRPO no signal, and neither does one it always
+    solves: every group of it has equal rewards. Screening the start once and training on the rest (the
+    offline form of the dynamic sampling of DAPO) spends the rollouts where the advantages are not 0.
+    """
+    import pandas as pd
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"task_screen: no such file {path}")
+    table = pd.read_csv(path)
+    missing = {"task", "successes", "tries"} - set(table.columns)
+    if missing:
+        raise ConfigError(f"task_screen {path}: missing column(s) {sorted(missing)} "
+                          "(write it with benchmarks/pass_at_k.py --out)")
+    if "split" in table.columns and set(table["split"].astype(str)) != {split}:
+        raise ConfigError(f"task_screen {path} screens split(s) {sorted(set(table['split'].astype(str)))}, "
+                          f"but train_split is {split!r}")
+    bad = table[(table["task"] < 0) | (table["task"] >= num_tasks) | (table["successes"] < 0)
+                | (table["successes"] > table["tries"])]
+    if len(bad):
+        raise ConfigError(f"task_screen {path}: every row needs a task id in [0, {num_tasks}) and "
+                          f"0 <= successes <= tries; first bad row: {bad.iloc[0][['task', 'successes', 'tries']].to_dict()}")
+    if table["task"].duplicated().any():
+        raise ConfigError(f"task_screen {path}: task {int(table['task'][table['task'].duplicated()].iloc[0])} "
+                          "has more than one row")
+    keep = table[(table["successes"] > 0) & (table["successes"] < table["tries"])]
+    return sorted(int(t) for t in keep["task"])
 
 
 def derive_seed(*parts) -> int:
@@ -1010,7 +1047,14 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
 
         n_train = _num_tasks(cfg.env_id, cfg.train_split)
-        self.num_train_tasks = min(cfg.train_tasks, n_train) if cfg.train_tasks else n_train
+        self.train_task_ids = list(range(min(cfg.train_tasks, n_train) if cfg.train_tasks else n_train))
+        if cfg.task_screen:
+            keep = set(screened_tasks(cfg.task_screen, cfg.train_split, n_train))
+            self.train_task_ids = [t for t in self.train_task_ids if t in keep]
+            if not self.train_task_ids:
+                raise ConfigError(f"task_screen {cfg.task_screen}: no task left to train on "
+                                  f"(with train_tasks={cfg.train_tasks})")
+        self.num_train_tasks = len(self.train_task_ids)
         n_eval = _num_tasks(cfg.env_id, cfg.eval_split)
         self.eval_task_ids = list(range(min(cfg.eval_tasks, n_eval) if cfg.eval_tasks else n_eval))
         self.total_steps = cfg.total_steps(self.num_train_tasks)
@@ -1145,7 +1189,7 @@ class Trainer:
         c, d = self.cfg, self.dist
         step = self.step_idx + 1
         t0 = time.perf_counter()
-        tasks = self.sampler.next_batch()
+        tasks = [self.train_task_ids[i] for i in self.sampler.next_batch()]
         n_local = c.tasks_per_step // d.world
         first = d.rank * n_local
         batches = self._collect(tasks[first:first + n_local], c.train_split, c.group_size,
@@ -1323,7 +1367,8 @@ class Trainer:
             "model": model_sd,
             "optimizer": optim_sd,
             "trainer": {"step": self.step_idx, "scheduler": self.scheduler.state_dict(),
-                        "sampler": self.sampler.state_dict(), "config": self.cfg.to_dict(),
+                        "sampler": self.sampler.state_dict(), "train_task_ids": self.train_task_ids,
+                        "config": self.cfg.to_dict(),
                         "elapsed_s": self._elapsed(), "world_size": self.dist.world},
         }
         return save_checkpoint(self.ckpt_dir, self.step_idx, payload, rank_payload={"rng": rng_state()},
@@ -1349,6 +1394,10 @@ class Trainer:
         if changed:
             raise ConfigError(f"{path} was written with a different config; differing keys "
                               f"(checkpoint, now): {changed}. Use another out_dir or --no-resume.")
+        if state.get("train_task_ids", self.train_task_ids) != self.train_task_ids:
+            raise ConfigError(f"{path} trained on other tasks than this run would ({len(state['train_task_ids'])} "
+                              f"against {self.num_train_tasks}: has the task_screen file changed?). "
+                              "Use another out_dir or --no-resume.")
         set_state_dict(self.policy, self.optimizer, model_state_dict=payload["model"],
                        optim_state_dict=payload["optimizer"], options=self._state_options())
         self.scheduler.load_state_dict(state["scheduler"])
@@ -1376,7 +1425,8 @@ class Trainer:
 
         (self.out_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1) + "\n")
         info = provenance(seed=self.cfg.seed, world_size=self.dist.world, total_steps=self.total_steps,
-                          num_train_tasks=self.num_train_tasks, eval_tasks=len(self.eval_task_ids),
+                          num_train_tasks=self.num_train_tasks, train_task_ids=self.train_task_ids,
+                          eval_tasks=len(self.eval_task_ids),
                           parameters=sum(p.numel() for p in self.policy.parameters()),
                           trainable_parameters=sum(p.numel() for p in _trainable(self.policy)))
         (self.out_dir / "run_info.json").write_text(json.dumps(info, indent=1) + "\n")

@@ -166,6 +166,54 @@ def test_train_tasks_limits_the_sampled_tasks(tokenizer_dir, tmp_path):
         _cfg(tokenizer_dir, tmp_path / "bad", train_tasks=-1)
 
 
+def _screen(path: Path, successes: list[int], tries: int = 4, split: str = "train") -> str:
+    pd.DataFrame({"task": range(len(successes)), "successes": successes, "tries": tries,
+                  "split": split}).to_csv(path, index=False)
+    return str(path)
+
+
+def test_task_screen_trains_only_on_tasks_solved_sometimes(tokenizer_dir, tmp_path):
+    screen = _screen(tmp_path / "screen.csv", [0, 2, 4, 1, 0, 3, 0])  # tasks 1, 3 and 5: 0 < successes < 4
+    assert train.screened_tasks(screen, "train", 600) == [1, 3, 5]
+    trainer = Trainer(_cfg(tokenizer_dir, tmp_path / "s", task_screen=screen, epochs=2.0, steps=0, eval_every=0))
+    assert trainer.train_task_ids == [1, 3, 5] and trainer.total_steps == 3  # ceil(2 epochs x 3 tasks / 2)
+    rolled = []
+    collect = trainer._collect
+
+    def spy(tasks, split, *args):  # the real rollouts, with the task ids they were given noted
+        rolled.extend(tasks if split == "train" else [])
+        return collect(tasks, split, *args)
+
+    trainer._collect = spy
+    trainer.step()
+    trainer.step()
+    assert len(rolled) == 4 and set(rolled) <= {1, 3, 5}
+    trainer.save()
+    # The same config over a screen file that now selects other tasks is refused on resume.
+    _screen(tmp_path / "screen.csv", [1, 1, 4, 1, 0, 3, 0])
+    with pytest.raises(train.ConfigError, match="other tasks"):
+        Trainer(_cfg(tokenizer_dir, tmp_path / "s", task_screen=screen, epochs=2.0, steps=0, eval_every=0)).run()
+    # With train_tasks, only the first N tasks are screened.
+    assert Trainer(_cfg(tokenizer_dir, tmp_path / "f", task_screen=screen, train_tasks=3)).train_task_ids == [0, 1]
+
+
+@pytest.mark.parametrize("rows, split, message", [
+    (None, "train", "no such file"),
+    ({"task": [0], "successes": [1]}, "train", "missing column"),
+    ({"task": [0], "successes": [1], "tries": [4], "split": ["test"]}, "train", "train_split is 'train'"),
+    ({"task": [600], "successes": [1], "tries": [4]}, "train", r"in \[0, 600\)"),
+    ({"task": [0], "successes": [5], "tries": [4]}, "train", "successes <= tries"),
+    ({"task": [0, 0], "successes": [1, 2], "tries": [4, 4]}, "train", "more than one row"),
+    ({"task": [0, 1], "successes": [0, 4], "tries": [4, 4]}, "train", "no task left"),
+])
+def test_task_screen_refuses_bad_files(tokenizer_dir, tmp_path, rows, split, message):
+    path = tmp_path / "screen.csv"
+    if rows is not None:
+        pd.DataFrame(rows).to_csv(path, index=False)
+    with pytest.raises(train.ConfigError, match=message):
+        Trainer(_cfg(tokenizer_dir, tmp_path / "x", task_screen=str(path), train_split=split))
+
+
 def test_resume_refuses_a_different_config(tokenizer_dir, tmp_path):
     Trainer(_cfg(tokenizer_dir, tmp_path / "r", steps=1, eval_tasks=1)).run()
     with pytest.raises(train.ConfigError, match="different config"):
