@@ -11,9 +11,11 @@ of request.
     python benchmarks/pass_at_k.py --policy runs/curve/sft_identity      # 60 test tasks x 16, ~8 min on 2 cores
     python benchmarks/pass_at_k.py --policy DIR --tasks 8 --samples 4    # a quick look
 
-``--out FILE`` writes one row per task (successes, tries, the task's write actions) with provenance.
+``--out FILE`` writes one row per task (successes, tries, the task's write actions; the policy's weights
+digest) with provenance (:func:`sinkflex_core.train.success_table`).
 Written for the training split, that file is a screen for GRPO (``--set task_screen=FILE``, see
-:func:`sinkflex_core.train.screened_tasks`): the run then trains only on the tasks solved sometimes.
+:func:`sinkflex_core.train.screened_tasks`; :func:`sinkflex_core.train.screen_or_reuse` writes it once
+per policy): the run then trains only on the tasks solved sometimes.
 
     python benchmarks/pass_at_k.py --policy runs/curve/sft_identity --split train --tasks 600 --samples 4 \
         --out runs/screen/train_x4.csv                                    # ~20 min on 2 cores
@@ -23,52 +25,17 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 from pathlib import Path
 
-import pandas as pd
 import torch
+
+from sinkflex_core import train
 
 print = functools.partial(print, flush=True)
 
 
-def task_kinds(split: str, tasks: list[int]) -> list[str]:
-    """Each task's write actions (``+``-joined), ``"read only"`` for a task that changes nothing."""
-    from sinkflex_core.envs import get_tasks
-
-    all_tasks = get_tasks(0, split)
-    return ["+".join(sorted({a["name"] for a in all_tasks[t]["actions"]})) or "read only" for t in tasks]
-
-
-def success_counts(backend, tokenizer, split: str, tasks: list[int], samples: int, tasks_per_call: int, seed: int,
-                   progress: bool = True) -> list[int]:
-    """Successful episodes (reward 1) out of ``samples`` for each task, played by ``backend`` (a
-    :class:`sinkflex_core.rollout.HFBackend` around the policy, or any generation backend)."""
-    from tqdm.auto import tqdm
-
-    from sinkflex_core.rollout import collect_rollouts
-    from sinkflex_core.train import derive_seed, per_task_rewards, resolve_config, rollout_config
-
-    cfg = resolve_config("tiny-cpu")
-    chunks = [tasks[i:i + tasks_per_call] for i in range(0, len(tasks), tasks_per_call)]
-    batches = []
-    with torch.no_grad():
-        for n, chunk in enumerate(tqdm(chunks, desc="pass@k rollouts", unit="call", disable=not progress)):
-            call_seed = derive_seed(seed, "pass_at_k", n) & 0x7FFFFFFF
-            torch.manual_seed(call_seed)
-            batches.append(collect_rollouts(backend, tokenizer, cfg.env_id, chunk, split,
-                                            rollout_config(cfg, call_seed, group_size=samples,
-                                                           temperature=cfg.eval_temperature)))
-    rewards = per_task_rewards(batches, tasks, 0)  # task position -> its samples' rewards, in order
-    return [sum(r >= 1 - 1e-6 for r in rewards[i]) for i in range(len(tasks))]
-
-
 def main(argv: list[str] | None = None) -> int:
-    from transformers import AutoModelForCausalLM
-
     from sinkflex_core.envs import pass_at_k, pass_hat_k
-    from sinkflex_core.models import load_tokenizer
-    from sinkflex_core.rollout import HFBackend
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policy", required=True, help="a saved policy folder (model and tokenizer)")
@@ -89,12 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     tasks = list(range(args.tasks))
-    start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(args.policy).eval()
-    tokenizer = load_tokenizer(args.policy)
-    counts = success_counts(HFBackend(model, tokenizer), tokenizer, args.split, tasks, args.samples,
-                            args.tasks_per_call, args.seed, progress=not args.no_progress)
-    minutes = (time.perf_counter() - start) / 60
+    table = train.success_table(args.policy, args.split, tasks, args.samples, args.tasks_per_call, args.seed,
+                                progress=not args.no_progress)
+    counts, minutes = list(table["successes"]), float(table["minutes"].iloc[0])
     pairs = [(c, args.samples) for c in counts]
     print(f"\n{args.policy}: {len(tasks)} {args.split} tasks x {args.samples} episodes in {minutes:.1f} min")
     print(f"{'k':>3} {'pass@k':>7} {'pass^k':>7}")
@@ -102,21 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     while k <= args.samples:
         print(f"{k:>3} {pass_at_k(pairs, k):>7.3f} {pass_hat_k(pairs, k):>7.3f}")
         k *= 2
-    table = pd.DataFrame({"task": tasks, "kind": task_kinds(args.split, tasks), "successes": counts,
-                          "tries": args.samples})
     by_kind = table.assign(solved=table["successes"] > 0).groupby("kind").agg(
         tasks=("task", "size"), solved_once=("solved", "sum"), mean_reward=("successes", "sum"))
     by_kind["mean_reward"] /= by_kind["tasks"] * args.samples
     print(f"\nTasks solved at least once in {args.samples} tries, by the task's write actions:")
     print(by_kind.sort_values("tasks", ascending=False).round(3).to_string())
     if args.out:
-        from sinkflex_core.provenance import provenance
-
-        out = table.assign(policy=Path(args.policy).name, split=args.split, seed=args.seed, minutes=round(minutes, 2))
-        for key, value in provenance().items():
-            out[key] = value
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        out.to_csv(args.out, index=False)
+        table.to_csv(args.out, index=False)
         print(f"\nwrote {args.out}")
     return 0
 

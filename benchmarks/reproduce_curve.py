@@ -2,10 +2,17 @@
 trajectories (stopped early, near the paper's starting reward of 0.25), then GRPO with 3 seeds.
 
     python benchmarks/reproduce_curve.py                    # SFT (cached in runs/curve/sft and
-                                                            # runs/curve/sft_identity), seeds 0 1 2
+                                                            # runs/curve/sft_identity), the screen of
+                                                            # the training tasks (cached in
+                                                            # runs/curve/train_screen.csv), seeds 0 1 2
     python benchmarks/reproduce_curve.py --parallel 3       # the seeds side by side, one thread each
     python benchmarks/reproduce_curve.py --smoke            # a minute: tiny settings, nothing written to data/
     python benchmarks/reproduce_curve.py --record-only      # rewrite data/ from the finished runs
+
+GRPO trains only on the training tasks that the SFT start solved sometimes but not always in
+``--screen-samples`` episodes each (:func:`sinkflex_core.train.screen_or_reuse`, about 20 minutes for
+600 tasks x 4 on 2 cores, once per start; ``--screen-samples 0``: on all of them): of the others,
+every group has equal rewards and teaches nothing.
 
 Writes ``data/reward_curve.csv`` (the test-reward curve of every seed, long format, with provenance)
 and ``data/reward_curve_seed{N}.csv`` (every per-step metric of that seed's run), then prints the
@@ -136,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="an existing SFT policy folder (default: OUT_ROOT/sft continued into OUT_ROOT/sft_identity)")
     p.add_argument("--parallel", type=int, default=1, help="seeds run at once (each with 2/N threads)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="GRPO config override")
+    p.add_argument("--screen-samples", type=int, default=4,
+                   help="episodes per training task in the screen of the SFT start (0: no screen, GRPO on all "
+                        "tasks; ignored with --set task_screen=FILE)")
     p.add_argument("--smoke", action="store_true", help="tiny settings; prints, writes nothing to data/")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--record-only", action="store_true",
@@ -157,6 +167,15 @@ def main(argv: list[str] | None = None) -> int:
         return record(out_root, sft_dir, args.seeds, args.parallel, args.smoke)
     sft_dir = Path(args.sft_dir) if args.sft_dir else run_sft(out_root, args.smoke, threads, not args.no_progress)
     overrides = dict(kv.split("=", 1) for kv in args.set)
+    if args.screen_samples < 0:
+        p.error("--screen-samples must be >= 0")
+    if args.screen_samples and "task_screen" not in overrides:
+        if args.smoke:  # the smoke policy solves nothing: a screen would leave no task
+            print("smoke: no screen of the training tasks", flush=True)
+        else:
+            screen = train.screen_or_reuse(sft_dir, out_root / "train_screen.csv", samples=args.screen_samples,
+                                           progress=not args.no_progress)
+            overrides["task_screen"] = os.path.relpath(screen, root)
     if args.no_progress:
         overrides["progress"] = "false"
 
@@ -200,7 +219,9 @@ def record(out_root: Path, sft_dir: Path, seeds: list[int], parallel: int, smoke
     tables = []
     for seed in seeds:
         run_dir = out_root / f"grpo_seed{seed}"
-        df = train.curve_table(run_dir, seed, parallel_runs=parallel, **sft_extra)
+        screen = json.loads((run_dir / "config.json").read_text()).get("task_screen", "")
+        df = train.curve_table(run_dir, seed, parallel_runs=parallel, task_screen=Path(screen).name if screen else "",
+                               **sft_extra)
         tables.append(df)
         if not smoke:
             df.to_csv(data_dir() / f"reward_curve_seed{seed}.csv", index=False)

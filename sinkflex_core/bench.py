@@ -1137,12 +1137,14 @@ def regenerate_figures(data: Path | None = None, figures: Path | None = None):
     curve = data / "reward_curve.csv"
     if curve.exists():
         train = importlib.import_module("sinkflex_core.train")
-        sft_path = data / "reward_curve_sft.csv"
+        extra = {name: data / f"reward_curve_{name}.csv" for name in ("sft", "all_tasks")}
+        extra = {name: pd.read_csv(path) for name, path in extra.items() if path.exists()}
         # The same figure as notebook 05's (which may add a run of one's own).
-        fig = train.reward_figure(pd.read_csv(curve), pd.read_csv(sft_path) if sft_path.exists() else None)
+        fig = train.reward_figure(pd.read_csv(curve), extra.get("sft"), baseline=extra.get("all_tasks"))
         fig.savefig(figures / "reward_curve.png", dpi=120)
         plt.close(fig)
-        done.append(("reward_curve.png", "reward_curve.csv, reward_curve_sft.csv", "regenerated"))
+        done.append(("reward_curve.png", ", ".join(["reward_curve.csv"] + [f"reward_curve_{n}.csv" for n in extra]),
+                     "regenerated"))
     else:
         done.append(("reward_curve.png", "reward_curve.csv", "skipped: not in data/ yet (benchmarks/reproduce_curve.py)"))
 

@@ -1519,6 +1519,104 @@ def per_task_rewards(batches: list, tasks: list[int], first_pos: int) -> dict[in
 
 
 # --------------------------------------------------------------------------------------------------
+# Screening tasks: how often a saved policy solves each task (benchmarks/pass_at_k.py, task_screen)
+# --------------------------------------------------------------------------------------------------
+
+def task_kinds(split: str, tasks: list[int], env_id: str = "sinkflex/Retail-v0") -> list[str]:
+    """Each task's write actions (``+``-joined), ``"read only"`` for a task that changes nothing."""
+    from .envs import get_tasks
+
+    all_tasks = get_tasks(0, split)
+    return ["+".join(sorted({a["name"] for a in all_tasks[t]["actions"]})) or "read only" for t in tasks]
+
+
+def success_counts(backend, tokenizer, split: str, tasks: list[int], samples: int, tasks_per_call: int = 8,
+                   seed: int = 0, progress: bool = True) -> list[int]:
+    """Successful episodes (reward 1) out of ``samples`` for each task, played by ``backend`` (a
+    :class:`sinkflex_core.rollout.HFBackend` around the policy, or any generation backend) with the
+    rollout settings of the tiny-cpu preset at its evaluation temperature."""
+    from tqdm.auto import tqdm
+
+    from .rollout import collect_rollouts
+
+    cfg = resolve_config("tiny-cpu")
+    chunks = [tasks[i:i + tasks_per_call] for i in range(0, len(tasks), tasks_per_call)]
+    batches = []
+    with torch.no_grad():
+        for n, chunk in enumerate(tqdm(chunks, desc="rollouts per task", unit="call", disable=not progress)):
+            call_seed = derive_seed(seed, "pass_at_k", n) & 0x7FFFFFFF
+            torch.manual_seed(call_seed)
+            batches.append(collect_rollouts(backend, tokenizer, cfg.env_id, chunk, split,
+                                            rollout_config(cfg, call_seed, group_size=samples,
+                                                           temperature=cfg.eval_temperature)))
+    rewards = per_task_rewards(batches, tasks, 0)  # task position -> its samples' rewards, in order
+    return [sum(r >= 1 - 1e-6 for r in rewards[i]) for i in range(len(tasks))]
+
+
+def policy_digest(policy_dir: str | os.PathLike) -> str:
+    """The first 16 hex digits of the SHA-256 of a saved policy's weights (``model.safetensors``)."""
+    return _file_digest(Path(policy_dir) / "model.safetensors")[:16]
+
+
+def success_table(policy_dir: str | os.PathLike, split: str, tasks: list[int], samples: int,
+                  tasks_per_call: int = 8, seed: int = 0, progress: bool = True) -> Any:
+    """One row per task (its write actions, successes out of ``samples``) for the saved policy in
+    ``policy_dir``, with the policy's folder name and weights digest, the settings and provenance."""
+    import pandas as pd
+    from transformers import AutoModelForCausalLM
+
+    from .models import load_tokenizer as load_saved_tokenizer
+    from .provenance import provenance
+    from .rollout import HFBackend
+
+    if not (Path(policy_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"{policy_dir}: no saved model there (config.json missing)")
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
+    tokenizer = load_saved_tokenizer(policy_dir)
+    counts = success_counts(HFBackend(model, tokenizer), tokenizer, split, tasks, samples, tasks_per_call, seed,
+                            progress)
+    table = pd.DataFrame({"task": tasks, "kind": task_kinds(split, tasks), "successes": counts, "tries": samples})
+    table = table.assign(policy=Path(policy_dir).name, policy_digest=policy_digest(policy_dir), split=split,
+                         seed=seed, minutes=round((time.perf_counter() - start) / 60, 2))
+    for key, value in provenance().items():
+        table[key] = value
+    return table
+
+
+def screen_or_reuse(policy_dir: str | os.PathLike, path: str | os.PathLike, samples: int = 4,
+                    split: str = "train", tasks: int = 0, seed: int = 0, progress: bool = True) -> Path:
+    """Write ``path``, the screen of the first ``tasks`` tasks of ``split`` (0: all; ``samples``
+    episodes each; pass it as ``task_screen``), unless it already holds one of these very weights (same
+    ``policy_digest``, split, tasks and samples); returns ``path``. The tiny policy takes about 20
+    minutes on 2 cores for the 600 training tasks x 4."""
+    import pandas as pd
+
+    path = Path(path)
+    n = _num_tasks("sinkflex/Retail-v0", split)
+    task_ids = list(range(min(tasks, n) if tasks else n))
+    digest = policy_digest(policy_dir)
+    if path.is_file():
+        old = pd.read_csv(path)
+        if ({"task", "policy_digest", "split", "tries"} <= set(old.columns) and list(old["task"]) == task_ids
+                and set(old["policy_digest"].astype(str)) == {digest} and set(old["split"]) == {split}
+                and set(old["tries"]) == {samples}):
+            print(f"screen: reusing {path} (same policy weights)", file=sys.stderr, flush=True)
+            return path
+    tasks = task_ids
+    print(f"screen: {len(tasks)} {split} tasks x {samples} episodes of {policy_dir} -> {path}", file=sys.stderr,
+          flush=True)
+    table = success_table(policy_dir, split, tasks, samples, seed=seed, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    table.to_csv(tmp, index=False)
+    os.replace(tmp, path)
+    kept = int(((table["successes"] > 0) & (table["successes"] < table["tries"])).sum())
+    print(f"screen: {kept} of {len(tasks)} tasks solved sometimes but not always", file=sys.stderr, flush=True)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
 # The small-scale reproduction: tables and plot of reward curves (benchmarks/reproduce_curve.py,
 # notebooks/05_grpo_training.ipynb)
 # --------------------------------------------------------------------------------------------------
@@ -1537,7 +1635,7 @@ def curve_table(run_dir: str | os.PathLike, seed: int, **extra) -> Any:
     info = json.loads(info_path.read_text()) if info_path.is_file() else {}
     df.insert(0, "seed", seed)
     for key in ("date", "git_sha", "hardware", "torch", "transformers", "python", "world_size", "parameters",
-                "trainable_parameters"):
+                "trainable_parameters", "num_train_tasks"):
         if key in info:
             df[key] = info[key]
     for key, value in extra.items():
@@ -1612,11 +1710,12 @@ def plot_reward_curves(df, ax=None, label: str = "", color: str | None = None, x
     return ax
 
 
-def reward_figure(recorded=None, sft_recorded=None, live=None):
+def reward_figure(recorded=None, sft_recorded=None, live=None, baseline=None):
     """The figure ``figures/reward_curve.png`` (notebooks 05 and 07): the SFT start's validation reward
     per stage (``data/reward_curve_sft.csv``) beside GRPO's test reward for every recorded seed
     (``data/reward_curve.csv``), with the paper's start and end; ``live``, a curve table of a run of
-    one's own, is added in its own colour. Any of the three may be None."""
+    one's own, is added in its own colour, and ``baseline``, the recorded seeds of GRPO on all the
+    training tasks (``data/reward_curve_all_tasks.csv``), in grey. Any of them may be None."""
     import matplotlib.pyplot as plt
 
     fig, (ax0, ax) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1, 1.4]})
@@ -1630,6 +1729,8 @@ def reward_figure(recorded=None, sft_recorded=None, live=None):
     ax0.set_title("SFT start (data/reward_curve_sft.csv)", fontsize=10)
     ax0.grid(alpha=0.3)
     ax0.legend(fontsize=8)
+    if baseline is not None:
+        plot_reward_curves(baseline, ax=ax, label="all tasks:", color="tab:gray")
     if recorded is not None:
         plot_reward_curves(recorded, ax=ax, label="recorded:", color="tab:blue")
     if live is not None:

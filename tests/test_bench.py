@@ -209,4 +209,10 @@ def test_reward_figure_is_regenerated_from_the_recorded_curves(tmp_path):
     made = bench.regenerate_figures(tmp_path, tmp_path / "fig").set_index("figure")
     assert made.loc["reward_curve.png", "status"] == "regenerated"
     assert made.loc["reward_curve.png", "made_from"] == "reward_curve.csv, reward_curve_sft.csv"
+    (tmp_path / "reward_curve.csv").rename(tmp_path / "reward_curve_all_tasks.csv")
+    pd.DataFrame({"seed": [0, 0], "step": [0, 6], "eval_reward": [0.1, 0.4], "elapsed_s": [0, 600],
+                  "last_eval": [False, True]}).to_csv(tmp_path / "reward_curve.csv", index=False)
+    made = bench.regenerate_figures(tmp_path, tmp_path / "fig").set_index("figure")
+    assert made.loc["reward_curve.png", "made_from"] == \
+        "reward_curve.csv, reward_curve_sft.csv, reward_curve_all_tasks.csv"
     assert (tmp_path / "fig" / "reward_curve.png").stat().st_size > 10_000

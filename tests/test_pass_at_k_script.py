@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
+from sinkflex_core import train
 from sinkflex_core.models import build_model, get_tokenizer, tiny_qwen2_config
 from sinkflex_core.rollout import AgentBackend
 
@@ -26,17 +28,17 @@ def tokenizer():
     return get_tokenizer()
 
 
-def test_counts_follow_the_tasks_the_oracle_solves_or_not(script, tokenizer):
+def test_counts_follow_the_tasks_the_oracle_solves_or_not(tokenizer):
     from sinkflex_core.envs.oracle import DoNothingAgent
 
     tasks = [0, 1, 2]
-    solved = script.success_counts(AgentBackend(tokenizer), tokenizer, "test", tasks, samples=2, tasks_per_call=2,
+    solved = train.success_counts(AgentBackend(tokenizer), tokenizer, "test", tasks, samples=2, tasks_per_call=2,
                                    seed=0, progress=False)
     assert solved == [2, 2, 2]  # one call of 2 tasks, then one of 1: each task's group counted once, in order
-    idle = script.success_counts(AgentBackend(tokenizer, DoNothingAgent), tokenizer, "test", tasks, samples=2,
+    idle = train.success_counts(AgentBackend(tokenizer, DoNothingAgent), tokenizer, "test", tasks, samples=2,
                                  tasks_per_call=2, seed=0, progress=False)
     assert idle == [0, 0, 0]
-    assert script.task_kinds("test", [0, 1]) == ["read only", "modify_pending_order_address"]
+    assert train.task_kinds("test", [0, 1]) == ["read only", "modify_pending_order_address"]
 
 
 def test_command_line_prints_pass_at_k_and_writes_the_counts(script, tokenizer, tmp_path, capsys):
@@ -54,3 +56,28 @@ def test_command_line_prints_pass_at_k_and_writes_the_counts(script, tokenizer, 
     assert table["successes"].between(0, 2).all() and {"git_sha", "policy"} <= set(table.columns)
     with pytest.raises(SystemExit):
         script.main(["--policy", str(tmp_path / "nowhere")])
+
+
+def test_screen_is_written_once_per_policy_weights(tokenizer, tmp_path, capsys):
+    policy = tmp_path / "policy"
+    config = tiny_qwen2_config(len(tokenizer), hidden_size=32, num_layers=1, tokenizer=tokenizer)
+    build_model(config).save_pretrained(policy)
+    tokenizer.save_pretrained(policy)
+    path = tmp_path / "screen.csv"
+    assert train.screen_or_reuse(policy, path, samples=2, tasks=3, progress=False) == path
+    first = pd.read_csv(path)
+    assert list(first["task"]) == [0, 1, 2] and set(first["tries"]) == {2} and set(first["split"]) == {"train"}
+    assert first["successes"].between(0, 2).all() and first["policy_digest"].nunique() == 1
+    stamp = path.stat().st_mtime_ns
+    train.screen_or_reuse(policy, path, samples=2, tasks=3, progress=False)
+    assert path.stat().st_mtime_ns == stamp and "reusing" in capsys.readouterr().err
+    # Other weights, or another number of samples, screen again.
+    other = build_model(config)
+    with torch.no_grad():
+        next(other.parameters()).add_(0.5)  # other weights
+    other.save_pretrained(policy)
+    train.screen_or_reuse(policy, path, samples=2, tasks=3, progress=False)
+    again = pd.read_csv(path)
+    assert again["policy_digest"].iloc[0] != first["policy_digest"].iloc[0]
+    train.screen_or_reuse(policy, path, samples=3, tasks=3, progress=False)
+    assert set(pd.read_csv(path)["tries"]) == {3}

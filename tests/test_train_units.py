@@ -305,13 +305,14 @@ def test_reward_figure_draws_the_sft_stages_the_recorded_seeds_and_a_run_of_ones
                                  "total_step": [500, 1000, 1250], "val_reward": [0.0, 0.05, 0.05],
                                  "peak_lr": [2e-3, 2e-3, 1e-3]})
     live = _two_seeds()[lambda d: d["seed"] == 0]
-    fig = train.reward_figure(_two_seeds(), sft_recorded, live)
+    fig = train.reward_figure(_two_seeds(), sft_recorded, live, baseline=_two_seeds())
     sft_ax, grpo_ax = fig.axes
     stages = [line for line in sft_ax.lines if line.get_label().startswith("sft")]
     assert [list(line.get_xdata()) for line in stages] == [[500, 1000], [1250]]
     labels = [line.get_label() for line in grpo_ax.lines]
     assert any(label.startswith("recorded: mean of 2 seeds") for label in labels)
     assert any(label.startswith("this run: seed 0") for label in labels)
+    assert any(label.startswith("all tasks: mean of 2 seeds") for label in labels)
     assert any(label.startswith("paper, end: 0.44") for label in labels)
     assert "1.6M parameters" in fig._suptitle.get_text()
     # no data at all: the empty panels with the paper's lines, no error
