@@ -1730,7 +1730,7 @@ def reward_figure(recorded=None, sft_recorded=None, live=None, baseline=None):
     ax0.grid(alpha=0.3)
     ax0.legend(fontsize=8)
     if baseline is not None:
-        plot_reward_curves(baseline, ax=ax, label="all tasks:", color="tab:gray")
+        plot_reward_curves(baseline, ax=ax, label="GRPO on all training tasks:", color="tab:gray")
     if recorded is not None:
         plot_reward_curves(recorded, ax=ax, label="recorded:", color="tab:blue")
     if live is not None:
