@@ -1524,7 +1524,7 @@ def per_task_rewards(batches: list, tasks: list[int], first_pos: int) -> dict[in
 # Screening tasks: how often a saved policy solves each task (benchmarks/pass_at_k.py, task_screen)
 # --------------------------------------------------------------------------------------------------
 
-def task_kinds(split: str, tasks: list[int], env_id: str = "sinkflex/Retail-v0") -> list[str]:
+def task_kinds(split: str, tasks: list[int]) -> list[str]:
     """Each task's write actions (``+``-joined), ``"read only"`` for a task that changes nothing."""
     from .envs import get_tasks
 
@@ -1599,22 +1599,21 @@ def screen_or_reuse(policy_dir: str | os.PathLike, path: str | os.PathLike, samp
     task_ids = list(range(min(tasks, n) if tasks else n))
     digest = policy_digest(policy_dir)
     if path.is_file():
-        old = pd.read_csv(path)
+        old = pd.read_csv(path, dtype={"policy_digest": str})  # a digest of digits only stays a string
         if ({"task", "policy_digest", "split", "tries"} <= set(old.columns) and list(old["task"]) == task_ids
                 and set(old["policy_digest"].astype(str)) == {digest} and set(old["split"]) == {split}
                 and set(old["tries"]) == {samples}):
             print(f"screen: reusing {path} (same policy weights)", file=sys.stderr, flush=True)
             return path
-    tasks = task_ids
-    print(f"screen: {len(tasks)} {split} tasks x {samples} episodes of {policy_dir} -> {path}", file=sys.stderr,
+    print(f"screen: {len(task_ids)} {split} tasks x {samples} episodes of {policy_dir} -> {path}", file=sys.stderr,
           flush=True)
-    table = success_table(policy_dir, split, tasks, samples, seed=seed, progress=progress)
+    table = success_table(policy_dir, split, task_ids, samples, seed=seed, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     table.to_csv(tmp, index=False)
     os.replace(tmp, path)
     kept = int(((table["successes"] > 0) & (table["successes"] < table["tries"])).sum())
-    print(f"screen: {kept} of {len(tasks)} tasks solved sometimes but not always", file=sys.stderr, flush=True)
+    print(f"screen: {kept} of {len(task_ids)} tasks solved sometimes but not always", file=sys.stderr, flush=True)
     return path
 
 
