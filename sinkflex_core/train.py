@@ -18,6 +18,7 @@ One step (``Trainer.step``)::
       -> metrics (CSV, TensorBoard if installed, progress bar)
       -> every eval_every steps: held-out tasks, mean reward and pass^k
       -> every save_every steps: an atomic checkpoint (model, optimizer, scheduler, RNG, data order)
+    at the end: the policy as a Hugging Face folder, out_dir/policy (Trainer.export_policy)
 
 Distributed: the trained model is wrapped with FSDP2 (``fully_shard`` on every decoder layer and the
 root). Every rank samples the rollouts of its own share of the tasks with an unsharded copy of the
@@ -1481,11 +1482,39 @@ class Trainer:
                     if bar is not None:
                         bar.write(f"time budget of {self.cfg.max_minutes} min used up at step {self.step_idx}")
                     break
+            if self.step_idx >= self.total_steps or self._time_up():
+                exported = self.export_policy()
+                if bar is not None:
+                    bar.write(f"policy saved to {exported}")
         finally:
             if bar is not None:
                 bar.close()
             self.log.close()
         return self.history
+
+    def export_policy(self, path: str | os.PathLike | None = None) -> Path:
+        """Save the policy as it is now as a Hugging Face folder (default ``out_dir/policy``, written
+        at the end of every run) with the tokenizer beside it. Full fine-tuning: the whole model,
+        ``AutoModelForCausalLM.from_pretrained(path)``. LoRA: peft's adapter files, for
+        ``peft.AutoPeftModelForCausalLM.from_pretrained(path)`` over the base ``cfg.model``. Learned
+        sink logits are saved too (in the model's weights, or ``sink_logits.safetensors`` beside
+        LoRA adapters); after ``attention.apply(model, ..., learn_sinks=True)``,
+        ``attention.load_sink_logits(model, path)`` puts them back. Under FSDP every rank holds the
+        whole weights in its rollout copy; the main process writes them. Returns the folder."""
+        path = Path(path) if path is not None else self.out_dir / "policy"
+        lm = self.rollout_lm if self.rollout_lm is not None else self.policy.lm
+        if self.dist.main:
+            from safetensors.torch import save_file
+
+            path.mkdir(parents=True, exist_ok=True)
+            lm.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+            sinks = {n: p.detach().cpu().contiguous() for n, p in lm.named_parameters()
+                     if n.endswith("sinkflex_sink_logits")}
+            if self.cfg.lora and sinks:
+                save_file(sinks, str(path / "sink_logits.safetensors"))
+        self.dist.barrier()
+        return path
 
     def _emit(self, row: dict, bar) -> None:
         self.history.append(row)
@@ -1784,6 +1813,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"done: step {trainer.step_idx}/{trainer.total_steps}; last eval reward "
               f"{next((r['eval_reward'] for r in reversed(rows) if r.get('eval_reward') is not None), 'n/a')}; "
               f"log {trainer.out_dir / 'metrics.csv'}; last step {last.get('step_s') or 0:.1f} s")
+        if (trainer.out_dir / "policy").is_dir():
+            print(f"policy (Hugging Face folder): {trainer.out_dir / 'policy'}")
     return 0
 
 

@@ -73,6 +73,13 @@ def test_two_steps_log_metrics_checkpoint_and_change_the_policy(tokenizer_dir, t
     # the full-fine-tuning reference is a frozen copy of the starting weights
     ref = dict(trainer.ref.named_parameters())
     assert all(torch.equal(ref[n], before[n]) for n in ref)
+    # the trained policy is saved as a Hugging Face folder that loads back to the same outputs
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy").eval()
+    ids = torch.tensor([AutoTokenizer.from_pretrained(tmp_path / "run" / "policy").encode("Where is my order?")])
+    with torch.no_grad():
+        assert torch.allclose(saved(ids).logits, trainer.policy.lm.eval()(ids).logits, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -134,6 +141,27 @@ def test_lora_sinkflex_checkpointing_chunked_logprobs(tokenizer_dir, tmp_path):
     for n, p in again.policy.named_parameters():
         if p.requires_grad:
             assert torch.equal(p, payload["model"][n]), n
+    # the saved policy: peft adapters and the learned sink logits over a fresh base give the same log-probs
+    from peft import PeftModel
+
+    from sinkflex_core import attention
+
+    folder = tmp_path / "lora" / "policy"
+    assert (folder / "adapter_config.json").is_file() and (folder / "sink_logits.safetensors").is_file()
+    base = train.load_model(TrainConfig.from_dict({**TINY, "tokenizer": tokenizer_dir, "attention": "sinkflex",
+                                                   "window": 32, "n_sink": 2}), trainer.tokenizer, torch.device("cpu"))
+    loaded = PeftModel.from_pretrained(base, folder)
+    initial = [p.detach().clone() for p in attention.sink_parameters(loaded)]
+    assert attention.load_sink_logits(loaded, folder) == TINY["num_layers"]
+    trained = attention.sink_parameters(trainer.policy.lm)
+    assert all(torch.equal(a, b) and not torch.equal(a, c)  # the trained sinks, which one step did move
+               for a, b, c in zip(attention.sink_parameters(loaded), trained, initial))
+    rows = train.concat_rollouts(trainer._collect([0], "train", 2, 1.0, ("probe",)), pad_id=0)
+    with torch.no_grad():
+        expect, _ = trainer.policy.eval()(rows["input_ids"], rows["attention_mask"], rows["position_ids"])
+        got, _ = train.TokenLogprobs(loaded.eval())(rows["input_ids"], rows["attention_mask"], rows["position_ids"])
+    real = rows["attention_mask"].bool()
+    assert torch.allclose(got[real], expect[real], atol=1e-5)
 
 
 def test_lora_reference_equals_the_base_model(tokenizer_dir, tmp_path):
