@@ -48,16 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="", help="a CSV file for the per-task counts (with provenance)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    if not (Path(args.policy) / "config.json").is_file():
-        p.error(f"--policy {args.policy}: no saved model there (config.json missing)")
     if args.tasks < 1 or args.samples < 1 or args.tasks_per_call < 1:
         p.error("--tasks, --samples and --tasks-per-call must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
 
     tasks = list(range(args.tasks))
-    table = train.success_table(args.policy, args.split, tasks, args.samples, args.tasks_per_call, args.seed,
-                                progress=not args.no_progress)
+    try:
+        table = train.success_table(args.policy, args.split, tasks, args.samples, args.tasks_per_call, args.seed,
+                                    progress=not args.no_progress)
+    except FileNotFoundError as err:  # no saved policy there
+        p.error(f"--policy: {err}")
     counts, minutes = list(table["successes"]), float(table["minutes"].iloc[0])
     pairs = [(c, args.samples) for c in counts]
     print(f"\n{args.policy}: {len(tasks)} {args.split} tasks x {args.samples} episodes in {minutes:.1f} min")

@@ -1624,7 +1624,7 @@ def screen_or_reuse(policy_dir: str | os.PathLike, path: str | os.PathLike, samp
     import pandas as pd
 
     path = Path(path)
-    n = _num_tasks("sinkflex/Retail-v0", split)
+    n = _num_tasks(TrainConfig().env_id, split)
     task_ids = list(range(min(tasks, n) if tasks else n))
     digest = policy_digest(policy_dir)
     if path.is_file():
@@ -1641,7 +1641,7 @@ def screen_or_reuse(policy_dir: str | os.PathLike, path: str | os.PathLike, samp
     tmp = path.with_name(path.name + ".tmp")
     table.to_csv(tmp, index=False)
     os.replace(tmp, path)
-    kept = int(((table["successes"] > 0) & (table["successes"] < table["tries"])).sum())
+    kept = len(screened_tasks(path, split, n))
     print(f"screen: {kept} of {len(task_ids)} tasks solved sometimes but not always", file=sys.stderr, flush=True)
     return path
 
