@@ -752,15 +752,18 @@ def vram_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``sinkflex bench <what> ...``; ``what`` is ``vram``."""
+    """``sinkflex bench <what> ...``; ``what`` is ``vram`` or ``results``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "_case":  # the per-case child process
         return _child_main(argv[1])
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: sinkflex bench vram [options]   (sinkflex bench vram --help for the options)")
+        print("usage: sinkflex bench vram [options]      (sinkflex bench vram --help for the options)\n"
+              "       sinkflex bench results [--readme README.md]   (the paper's claims beside ours)")
         return 0 if argv else 2
+    if argv[0] == "results":
+        return results_main(argv[1:])
     if argv[0] != "vram":
-        print(f"sinkflex bench: unknown benchmark {argv[0]!r}; available: vram", file=sys.stderr)
+        print(f"sinkflex bench: unknown command {argv[0]!r}; available: vram, results", file=sys.stderr)
         return 2
     return vram_main(argv[1:])
 
@@ -905,7 +908,7 @@ def _match_measurement(claim, folder: Path):
             if column == "status_oom":
                 if len(df):
                     r = df.iloc[0]
-                    value = "OOM" if r["status"] in ("oom", "skipped") else f"fits ({float(r['peak_gib']):.2f})"
+                    value = "OOM" if r["status"] in ("oom", "skipped") else f"fits ({float(r['peak_gib']):.2f} GiB)"
                     return value, str(r.get("gpu", "")), Path(path).name
                 continue
             if column not in df or not len(df):
@@ -922,7 +925,8 @@ def paper_vs_ours(folder: Path | None = None):
     ``data/`` ("not measured yet" where nothing matches), the hardware, and the gap.
 
     A claim whose ``match_column`` is ``ratio:A/B`` is the relative change from claim A's
-    measurement to claim B's (in %), computed from our two numbers."""
+    measurement to claim B's (in %), and one with ``diff:A/B`` the difference B - A, both computed
+    from our two numbers."""
     import pandas as pd
 
     from .paths import data_dir
@@ -933,12 +937,16 @@ def paper_vs_ours(folder: Path | None = None):
     rows = []
     for _, c in claims.iterrows():
         column = str(c.get("match_column", "") or "")
-        if column.startswith("ratio:"):
-            a, b = column[len("ratio:"):].split("/")
+        kind, _, pair = column.partition(":")
+        if kind in ("ratio", "diff") and pair:
+            a, b = pair.split("/")
             if a in found_by_id and b in found_by_id and not isinstance(found_by_id[a][0], str) \
                     and not isinstance(found_by_id[b][0], str):
-                change = 100.0 * (found_by_id[b][0] / found_by_id[a][0] - 1.0)
-                found = (change, found_by_id[b][1], f"{found_by_id[a][2]} + {found_by_id[b][2]}")
+                va, vb = found_by_id[a][0], found_by_id[b][0]
+                change = 100.0 * (vb / va - 1.0) if kind == "ratio" else vb - va
+                files = found_by_id[a][2] if found_by_id[a][2] == found_by_id[b][2] \
+                    else f"{found_by_id[a][2]} + {found_by_id[b][2]}"
+                found = (change, found_by_id[b][1], files)
             else:
                 found = None
         else:
@@ -958,7 +966,8 @@ def paper_vs_ours(folder: Path | None = None):
                 row["gap"] = "same outcome" if (value == "OOM") == paper_oom else "differs: paper OOM, ours fits"
             else:
                 our_unit = str(c.get("our_unit", "") or "")
-                row["ours"] = f"{value:.2f} {our_unit if our_unit != 'nan' else ''}".strip()
+                sign = "+" if kind == "diff" else ""
+                row["ours"] = f"{value:{sign}.2f} {our_unit if our_unit != 'nan' else ''}".strip()
                 if paper_oom:
                     row["gap"] = "paper: OOM; ours fits"
                 elif unit == "%":
@@ -968,6 +977,55 @@ def paper_vs_ours(folder: Path | None = None):
                     row["gap"] = f"{gap:+.2f} ({value / float(c['value']) - 1:+.1%})"
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+RESULTS_BEGIN = "<!-- results: made by `sinkflex bench results --readme README.md`; do not edit by hand -->"
+RESULTS_END = "<!-- results: end -->"
+
+
+def results_markdown(folder: Path | None = None) -> str:
+    """:func:`paper_vs_ours` as a Markdown table (the README's "Results" block)."""
+    table = paper_vs_ours(folder)
+    lines = ["| claim | paper | ours | gap | our hardware | data |", "|---|---|---|---|---|---|"]
+    for _, r in table.iterrows():
+        cells = [r["claim"], f"{r['paper']} ({r['paper_hardware']})", r["ours"], r["gap"], r["our_hardware"],
+                 f"`{r['from']}`" if r["from"] else ""]
+        lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def readme_with_results(text: str, folder: Path | None = None) -> str:
+    """``text`` (a README) with the lines between :data:`RESULTS_BEGIN` and :data:`RESULTS_END`
+    replaced by :func:`results_markdown`; ValueError if the markers are missing."""
+    start, end = text.find(RESULTS_BEGIN), text.find(RESULTS_END)
+    if start < 0 or end < start:
+        raise ValueError(f"no results block: put the lines {RESULTS_BEGIN!r} and {RESULTS_END!r} where the "
+                         "table goes")
+    return text[:start + len(RESULTS_BEGIN)] + "\n" + results_markdown(folder) + "\n" + text[end:]
+
+
+def results_main(argv: list[str]) -> int:
+    """``sinkflex bench results [--readme README.md]``: print the paper-vs-ours table, or rewrite the
+    README's block with it."""
+    parser = argparse.ArgumentParser(prog="sinkflex bench results",
+                                     description="The paper's claims beside our measurements in data/, as Markdown.")
+    parser.add_argument("--data", type=Path, default=None, help="the data folder (default: the project's data/)")
+    parser.add_argument("--readme", type=Path, default=None,
+                        help="rewrite this file's results block instead of printing the table")
+    args = parser.parse_args(argv)
+    if args.readme is None:
+        print(results_markdown(args.data))
+        return 0
+    try:
+        text = args.readme.read_text()
+        new = readme_with_results(text, args.data)
+    except (OSError, ValueError) as err:
+        print(f"sinkflex bench results: {args.readme}: {err}", file=sys.stderr)
+        return 2
+    if new != text:
+        args.readme.write_text(new)
+    print(f"{args.readme}: results block {'rewritten' if new != text else 'already up to date'}")
+    return 0
 
 
 def step_rows(results):

@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # listed for --help only: main() hands `train` and `bench` to their own modules before parsing
     sub.add_parser("train", help="the GRPO trainer (`sinkflex train --help`)", add_help=False)
-    sub.add_parser("bench", help="benchmarks: `sinkflex bench vram --help`", add_help=False)
+    sub.add_parser("bench", help="benchmarks: `sinkflex bench vram --help`; `sinkflex bench results`: paper vs ours",
+                   add_help=False)
     return parser
 
 

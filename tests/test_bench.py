@@ -169,6 +169,29 @@ def test_paper_table_reads_the_recorded_measurements(tmp_path):
     table = bench.paper_vs_ours(tmp_path).set_index("claim")
     assert table.loc["retail mean reward at the start of GRPO training", "ours"] == "0.15 reward"
     assert table.loc["retail mean reward at the end of GRPO training", "ours"] == "0.40 reward"
+    gain = table.loc["retail reward gained during GRPO training (end - start)"]
+    assert gain["ours"] == "+0.25 reward" and gain["gap"].startswith("+0.06") and gain["from"] == "reward_curve.csv"
+
+
+def test_readme_results_block_matches_the_data(tmp_path, capsys):
+    from sinkflex_core.paths import data_dir, repo_root
+
+    readme = (repo_root() / "README.md").read_text()
+    assert bench.readme_with_results(readme) == readme, \
+        "README's results block is out of date: run `sinkflex bench results --readme README.md`"
+    expected = bench.results_markdown()
+    assert "| retail reward gained during GRPO training (end - start) |" in expected
+    # the command rewrites a stale block, leaves the rest of the file alone, and refuses a file without one
+    stale = tmp_path / "README.md"
+    stale.write_text(f"# title\n{bench.RESULTS_BEGIN}\n| old |\n{bench.RESULTS_END}\ntail\n")
+    assert bench.main(["results", "--readme", str(stale), "--data", str(data_dir())]) == 0
+    assert stale.read_text() == f"# title\n{bench.RESULTS_BEGIN}\n{expected}\n{bench.RESULTS_END}\ntail\n"
+    assert "rewritten" in capsys.readouterr().out
+    plain = tmp_path / "plain.md"
+    plain.write_text("# no block\n")
+    assert bench.main(["results", "--readme", str(plain)]) == 2
+    assert "no results block" in capsys.readouterr().err and plain.read_text() == "# no block\n"
+    assert bench.main(["results"]) == 0 and capsys.readouterr().out.strip() == expected
 
 
 def _gpu_row(case: str, peak: float, step_s: float, status: str = "ok") -> dict:
