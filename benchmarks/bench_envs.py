@@ -40,7 +40,7 @@ def _calls(world: RetailWorld, n: int) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--resets", type=int, default=200)
     parser.add_argument("--episodes", type=int, default=40)

@@ -9,7 +9,7 @@ trainable (gradients for hidden and weight) and frozen (gradient for hidden only
 
     python benchmarks/bench_logprobs.py                      # L=4096, H=3584, V=152064 (~12 GiB peak, minutes)
     python benchmarks/bench_logprobs.py --length 256 --vocab 8192   # seconds
-    python benchmarks/bench_logprobs.py --repeat 2 --csv data/logprobs_cpu.csv   # the recorded figures
+    python benchmarks/bench_logprobs.py --threads 1 --csv data/logprobs_cpu.csv  # the recorded figures
 
 Which memory the target means: the raw peak RSS of the process also holds the inputs (the float32
 output layer alone is 2.03 GiB at V=152064) and the gradients every implementation must return, so

@@ -1,5 +1,6 @@
 """The paper's retail learning curve at small scale: SFT of a tiny Qwen2 policy on the oracle's
-trajectories (stopped early, near the paper's starting reward of 0.25), then GRPO with 3 seeds.
+trajectories (early stopping at the paper's starting reward of 0.25, which the recorded start did not
+reach: 0.05 when its time budget ended), then GRPO with 3 seeds.
 
     python benchmarks/reproduce_curve.py                    # SFT (cached in runs/curve/sft and
                                                             # runs/curve/sft_identity), the screen of

@@ -91,7 +91,7 @@ class Preset:
 
 
 PRESETS = {
-    # Qwen2.5-7B's published hyperparameters (FACTS.md).
+    # Qwen2.5-7B's published hyperparameters (its config.json on the Hugging Face Hub).
     "qwen25-7b": Preset("qwen25-7b", hidden=3584, layers=28, heads=28, kv_heads=4, ffn=18944, vocab=152064,
                         chunk_size=2048, slice_tokens=8192, window=4096),
     # A CPU-sized stand-in with the same proportions where they matter for memory: vocabulary large

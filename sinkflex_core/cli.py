@@ -6,6 +6,7 @@
     sinkflex env                       versions, device, FlexAttention and vLLM status
     sinkflex train ...                 the GRPO trainer (see `sinkflex train --help`)
     sinkflex bench vram ...            the VRAM comparison harness
+    sinkflex bench results [--readme F] the paper's claims beside ours (Markdown)
 """
 
 from __future__ import annotations

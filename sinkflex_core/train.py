@@ -1,6 +1,6 @@
 """The GRPO trainer: one loop from tasks to an updated policy, on one CPU or on N GPUs with FSDP2.
 
-    sinkflex train                                   # preset tiny-cpu, a few-million-parameter policy
+    sinkflex train                                   # preset tiny-cpu, a 1.6M-parameter policy
     sinkflex train --lr 1e-4 --group-size 4 --set eval_every=5
     sinkflex train --preset paper-8xh100 --print-config
     torchrun --nproc_per_node 8 -m sinkflex_core.train --preset paper-8xh100 --out-dir runs/paper
