@@ -249,7 +249,8 @@ def aggregate_loss(loss: torch.Tensor, loss_mask: torch.Tensor, mode: str = "tok
       ``norm_length`` (e.g. the maximum response length): Dr. GRPO's unbiased form, every token weighs
       the same and the scale does not depend on the lengths sampled.
 
-    Rows without any policy token are ignored (they neither count nor contribute).
+    Rows without any policy token are ignored (they neither count nor contribute); a batch without
+    any gives 0, whether the counts are this batch's or passed in.
 
     Micro-batches: by default the counts come from this batch. To split a mini-batch into micro-batches
     and get *exactly* the gradient of the whole, pass the whole mini-batch's counts (from
@@ -269,12 +270,12 @@ def aggregate_loss(loss: torch.Tensor, loss_mask: torch.Tensor, mode: str = "tok
     # where(), not a product, so that a NaN/inf in a masked-out position cannot leak into the sum.
     masked = torch.where(loss_mask != 0, loss, torch.zeros_like(loss))
     if mode == "token-mean":
-        denom = m.sum().clamp_min(1) if num_tokens is None else num_tokens
+        denom = m.sum().clamp_min(1) if num_tokens is None else max(num_tokens, 1)
         return masked.sum() / denom
     if mode not in AGG_MODES:
         raise ValueError(f"mode must be one of {AGG_MODES}, got {mode!r}")
     seq_tokens = m.sum(dim=-1)
-    n_seqs = (seq_tokens > 0).sum().clamp_min(1) if num_seqs is None else num_seqs
+    n_seqs = (seq_tokens > 0).sum().clamp_min(1) if num_seqs is None else max(num_seqs, 1)
     if mode == "seq-mean-token-mean":
         per_seq = masked.sum(dim=-1) / seq_tokens.clamp_min(1)
         return per_seq.sum() / n_seqs

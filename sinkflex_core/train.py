@@ -200,6 +200,7 @@ class TrainConfig:
         need(self.lr > 0 and math.isfinite(self.lr), f"lr must be a positive number, got {self.lr!r}")
         need(self.max_minutes >= 0, f"max_minutes must be >= 0 (0 = no limit), got {self.max_minutes}")
         need(self.epochs > 0 or self.steps > 0, "set epochs > 0 or steps > 0 (how long to train)")
+        need(math.isfinite(self.epochs), f"epochs must be a finite number, got {self.epochs!r}")
         need(self.group_size >= 2, f"group_size must be >= 2 (GRPO compares trajectories of one task), "
                                    f"got {self.group_size}")
         need(self.num_minibatches <= self.group_size,
@@ -334,7 +335,7 @@ def _coerce_simple(default: Any, text: str) -> Any:
             return int(value)
         if isinstance(default, float):
             return float(text)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: int(float("inf"))
         raise ConfigError(f"cannot read {text!r} as {type(default).__name__}") from None
     if default is None:
         return None if text.strip().lower() == "none" else text
@@ -348,6 +349,8 @@ def _coerce(name: str, text: str) -> Any:
         raise ConfigError(f"unknown config key {name!r}; known keys: {sorted(fields)}")
     if name == "lora_targets":
         return _as_tuple(text)
+    if "None" in str(fields[name].type) and text.strip().lower() == "none":  # an optional field, unset
+        return None
     try:
         return _coerce_simple(getattr(TrainConfig(), name), text)
     except ConfigError as err:
@@ -422,10 +425,12 @@ def torchrun_command(cfg: TrainConfig, nproc_per_node: int = 8) -> str:
 
 
 def _cli_value(v) -> str:
+    """``v`` as one shell word that :func:`_coerce` reads back (None: ``none``)."""
+    import shlex
+
     if isinstance(v, list | tuple):
-        return ",".join(map(str, v))
-    text = str(v)
-    return f"'{text}'" if any(c in text for c in " \"'$") else text
+        return shlex.quote(",".join(map(str, v)))
+    return shlex.quote("none" if v is None else str(v))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1104,6 +1109,7 @@ class Trainer:
         if self.cfg.rollout_backend == "vllm":
             return rollout.VLLMBackend(self._merged_for_vllm(), self.tokenizer,
                                        gpu_memory_utilization=self.cfg.vllm_gpu_memory_utilization,
+                                       dtype=self.cfg.dtype, max_model_len=self.cfg.max_total_tokens,
                                        seed=self.cfg.seed)
         return rollout.HFBackend(self._generation_model(), self.tokenizer)
 
@@ -1386,6 +1392,14 @@ class Trainer:
         if name is None:
             if self.dist.main:
                 self.log.truncate_after(-1)
+                old = [] if self.cfg.resume else list_checkpoints(self.ckpt_dir)
+                if old:  # resume=False: an earlier run's checkpoints would outlive (and outrank) this run's
+                    print(f"resume off: removing {len(old)} checkpoint(s) of an earlier run in {self.ckpt_dir}",
+                          file=sys.stderr, flush=True)
+                    for ckpt in old:
+                        shutil.rmtree(ckpt)
+                    (self.ckpt_dir / "latest").unlink(missing_ok=True)
+            self.dist.barrier()
             return None
         path = self.ckpt_dir / name
         payload, rank_payload = load_checkpoint(path, self.dist.rank)
@@ -1444,8 +1458,8 @@ class Trainer:
 
     def run(self, max_steps: int | None = None) -> list[dict]:
         """Train until ``total_steps`` (or ``max_steps`` more steps); returns the rows logged."""
+        resumed = self.try_resume()  # first: a refused resume leaves the folder's config.json as it was
         self._save_run_info()
-        resumed = self.try_resume()
         bar = None
         if self.dist.main and self.cfg.progress:
             from tqdm import tqdm
@@ -1462,7 +1476,9 @@ class Trainer:
                 row["elapsed_s"] = self._elapsed()
                 self._emit(row, bar)
             done = 0
-            while self.step_idx < self.total_steps and (max_steps is None or done < max_steps):
+            # a run resumed after its time budget was used up (it stopped on it) takes no further step
+            spent = resumed is not None and self._time_up()
+            while self.step_idx < self.total_steps and (max_steps is None or done < max_steps) and not spent:
                 t0 = time.perf_counter()
                 row = self.step()
                 time_up = self._time_up()

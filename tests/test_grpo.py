@@ -153,6 +153,11 @@ def test_aggregation_hand_computed():
     assert loss_normalizers(mask) == {"num_tokens": 4, "num_seqs": 2}
     loss[mask == 0] = float("nan")  # masked positions cannot leak, even as NaN
     assert torch.isfinite(aggregate_loss(loss, mask, "token-mean"))
+    # a mini-batch without a policy token gives 0, with its own counts or with the counts passed in
+    empty = torch.zeros_like(mask)
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        assert aggregate_loss(loss, empty, mode).item() == 0.0
+        assert aggregate_loss(loss, empty, mode, **loss_normalizers(empty)).item() == 0.0
 
 
 # ------------------------------------------------------------------------------------ gradient checks

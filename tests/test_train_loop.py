@@ -244,8 +244,41 @@ def test_task_screen_refuses_bad_files(tokenizer_dir, tmp_path, rows, split, mes
 
 def test_resume_refuses_a_different_config(tokenizer_dir, tmp_path):
     Trainer(_cfg(tokenizer_dir, tmp_path / "r", steps=1, eval_tasks=1)).run()
+    before = (tmp_path / "r" / "config.json").read_text()
     with pytest.raises(train.ConfigError, match="different config"):
         Trainer(_cfg(tokenizer_dir, tmp_path / "r", steps=2, eval_tasks=1, lr=5e-3)).run()
+    assert (tmp_path / "r" / "config.json").read_text() == before  # still the run that is in the folder
+
+
+def test_vllm_engine_gets_the_runs_precision_and_length(tokenizer_dir, tmp_path, monkeypatch):
+    """The engine is built with the run's dtype and trajectory limit, not the backend's defaults
+    (float32, 4,096 tokens), which would load a 7B policy at twice its size and refuse longer episodes.
+    (The engine itself is tested in test_vllm_backend.py, where vLLM is installed.)"""
+    from sinkflex_core import rollout
+
+    made = {}
+
+    class Recorder:
+        stop_token_ids = [0]
+
+        def __init__(self, model, tokenizer, **kwargs):
+            made.update(kwargs)
+
+    monkeypatch.setattr(rollout, "VLLMBackend", Recorder)
+    Trainer(_cfg(tokenizer_dir, tmp_path / "v", rollout_backend="vllm", max_total_tokens=300, dtype="bfloat16"))
+    assert made["dtype"] == "bfloat16" and made["max_model_len"] == 300
+
+
+def test_a_fresh_run_replaces_the_checkpoints_of_an_earlier_one(tokenizer_dir, tmp_path):
+    """resume=False into a used out_dir: the earlier run's later checkpoints must neither prune this
+    run's nor be what a later restart resumes."""
+    out = tmp_path / "f"
+    Trainer(_cfg(tokenizer_dir, out, steps=3, eval_every=0, eval_tasks=1)).run()
+    assert [p.name for p in train.list_checkpoints(out / "checkpoints")] == ["step_00000002", "step_00000003"]
+    Trainer(_cfg(tokenizer_dir, out, steps=1, eval_every=0, eval_tasks=1, lr=5e-3, resume=False)).run()
+    assert [p.name for p in train.list_checkpoints(out / "checkpoints")] == ["step_00000001"]
+    again = Trainer(_cfg(tokenizer_dir, out, steps=1, eval_every=0, eval_tasks=1, lr=5e-3))
+    assert again.try_resume() == out / "checkpoints" / "step_00000001" and again.step_idx == 1
 
 
 @pytest.mark.slow
@@ -301,6 +334,12 @@ def test_time_budget_stops_after_the_evaluation_that_used_it_up(tokenizer_dir, t
     trainer2._elapsed = lambda: clock["t"]
     trainer2.run()
     assert evals == [0, 2, 3] and trainer2.step_idx == 3
+    # the first run again, as it was launched: it resumes at step 2 with 220 s used of 125 and stops there
+    evals[:] = []
+    trainer = Trainer(cfg)
+    trainer.step, trainer.evaluate = fake_step, fake_evaluate
+    trainer.run()
+    assert evals == [] and trainer.step_idx == 2 and (tmp_path / "t" / "policy" / "config.json").is_file()
 
 
 def test_drop_uniform_groups_skips_a_step_without_signal(tokenizer_dir, tmp_path):

@@ -65,6 +65,8 @@ def test_cli_overrides_flags_and_set(tmp_path):
     (["--num-minibatches", "9", "--group-size", "4"], "num_minibatches (9) must be <= group_size (4)"),
     (["--clip-low", "1.5"], "clip_low must be in [0, 1)"),
     (["--steps", "2.5"], "cannot read '2.5' as int"),
+    (["--steps", "inf"], "cannot read 'inf' as int"),
+    (["--epochs", "inf", "--steps", "0"], "epochs must be a finite number"),
 ])
 def test_bad_config_values_get_clear_errors(argv, message):
     with pytest.raises(ConfigError, match=None) as err:
@@ -85,6 +87,20 @@ def test_print_config_gives_a_torchrun_command(capsys):
     assert "--set group_size=4" in cmd
     printed = json.loads(out[:out.index("\n# on one node")])
     assert printed["group_size"] == 4 and printed["lr"] == 5e-6
+
+
+def test_torchrun_command_reads_back_to_the_same_config():
+    """Every value survives the shell: an unset optional field (``none``) and a text with quotes."""
+    import shlex
+
+    assert train.config_from_argv(["--set", "system_prompt=none"])[0].system_prompt is None
+    assert train.config_from_argv(["--set", "system_prompt=None"])[0].system_prompt is None
+    for preset, prompt in (("tiny-cpu", None), ("paper-8xh100", "Don't say \"$HOME\"; be brief."),
+                           ("tiny-cpu", "none of that")):
+        cfg = train.resolve_config(preset, {"system_prompt": prompt, "lora_targets": "q_proj,v_proj"})
+        words = shlex.split(train.torchrun_command(cfg, nproc_per_node=2))
+        again, _ = train.config_from_argv(words[words.index("sinkflex_core.train") + 1:])
+        assert again.to_dict() == cfg.to_dict()
 
 
 def test_rollout_config_carries_the_runs_rollout_settings():
