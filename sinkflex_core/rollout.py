@@ -912,28 +912,39 @@ def collect_rollouts(backend: GenerationBackend, tokenizer, env_id: str, task_in
     stop_ids = backend.stop_token_ids
     episodes: list[_Episode] = []
     deltas: dict[int, ChatDelta] = {}
-    for group, task_index in enumerate(task_indices):
-        for member in range(cfg.group_size):
-            env = gym.make(env_id, split=split, max_turns=cfg.max_turns, **cfg.env_kwargs)
-            obs, info = env.reset(seed=cfg.seed, options={"task_index": int(task_index)})
-            tools = info.get("tools") if cfg.include_tools else None
-            system = cfg.system_prompt if cfg.system_prompt is not None else info.get("policy", "")
-            messages = [{"role": "system", "content": system}, {"role": info.get("obs_role", "user"),
-                                                                 "content": obs}]
-            prompt = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=True,
-                                                   add_generation_prompt=True, return_dict=False)
-            prompt = list(prompt)
-            if id(tools) not in deltas:
-                deltas[id(tools)] = ChatDelta(tokenizer, tools)
-            traj = Trajectory(task_index=int(task_index), group=group, member=member, input_ids=prompt,
-                              loss_mask=[0] * len(prompt), logprobs=[0.0] * len(prompt), messages=messages,
-                              tools=tools, prompt_len=len(prompt))
-            ep = _Episode(traj=traj, env=env, delta=deltas[id(tools)], env_tools=info.get("tools"))
-            episodes.append(ep)
-            if len(prompt) >= cfg.max_total_tokens:
-                log.warning("the prompt of task %s has %d tokens, max_total_tokens=%d leaves none to generate",
-                            task_index, len(prompt), cfg.max_total_tokens)
-                _finish(ep, "max_total_tokens")
+    pending_env = None
+    try:  # an error while the episodes are set up closes the environments made so far
+        for group, task_index in enumerate(task_indices):
+            for member in range(cfg.group_size):
+                env = gym.make(env_id, split=split, max_turns=cfg.max_turns, **cfg.env_kwargs)
+                pending_env = env  # closed below if setting up its episode fails
+                obs, info = env.reset(seed=cfg.seed, options={"task_index": int(task_index)})
+                tools = info.get("tools") if cfg.include_tools else None
+                system = cfg.system_prompt if cfg.system_prompt is not None else info.get("policy", "")
+                messages = [{"role": "system", "content": system}, {"role": info.get("obs_role", "user"),
+                                                                     "content": obs}]
+                prompt = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=True,
+                                                       add_generation_prompt=True, return_dict=False)
+                prompt = list(prompt)
+                if id(tools) not in deltas:
+                    deltas[id(tools)] = ChatDelta(tokenizer, tools)
+                traj = Trajectory(task_index=int(task_index), group=group, member=member, input_ids=prompt,
+                                  loss_mask=[0] * len(prompt), logprobs=[0.0] * len(prompt), messages=messages,
+                                  tools=tools, prompt_len=len(prompt))
+                ep = _Episode(traj=traj, env=env, delta=deltas[id(tools)], env_tools=info.get("tools"))
+                episodes.append(ep)
+                pending_env = None
+                if len(prompt) >= cfg.max_total_tokens:
+                    log.warning("the prompt of task %s has %d tokens, max_total_tokens=%d leaves none to "
+                                "generate", task_index, len(prompt), cfg.max_total_tokens)
+                    _finish(ep, "max_total_tokens")
+    except BaseException:
+        if pending_env is not None:
+            pending_env.close()
+        for ep in episodes:
+            if not ep.done:  # a finished episode's environment is closed already
+                ep.env.close()
+        raise
 
     try:
         while True:

@@ -223,6 +223,30 @@ def test_cancel_refunds_gift_card(world):
     assert details["status"] == "cancelled" and details["payment_history"][-1]["type"] == "refund"
 
 
+def test_cancel_after_a_payment_change_refunds_each_method_once(world):
+    """The old method was refunded when the payment changed; cancelling refunds only the new one."""
+    order = next(o for o in world.data.orders.values() if o["status"] == "pending"
+                 and world.data.payment_methods[o["payments"][0]["payment_method_id"]]["source"] == "gift_card"
+                 and len(world.data.users[o["user_id"]]["payment_method_ids"]) > 1)
+    gift = order["payments"][0]["payment_method_id"]
+    other = next(p for p in world.data.users[order["user_id"]]["payment_method_ids"] if p != gift)
+    conn = world.new_episode_db()
+    tools = RetailTools(conn)
+
+    def balance():
+        return conn.execute("SELECT balance_cents FROM payment_methods WHERE payment_method_id = ?",
+                            (gift,)).fetchone()[0]
+
+    start, cents = balance(), order["payments"][0]["amount_cents"]
+    _call(tools, "modify_pending_order_payment", order_id=order["order_id"], payment_method_id=other)
+    assert balance() == start + cents
+    _call(tools, "cancel_pending_order", order_id=order["order_id"], reason="no longer needed")
+    assert balance() == start + cents  # not refunded a second time
+    history = json.loads(_call(tools, "get_order_details", order_id=order["order_id"]))["payment_history"]
+    refunds = Counter(h["payment_method_id"] for h in history if h["type"] == "refund")
+    assert refunds == {gift: 1, other: 1}
+
+
 # ---- tasks ----------------------------------------------------------------------------------------
 
 def test_tasks_cover_the_tools(world):
@@ -394,6 +418,27 @@ def test_reward_needs_state_and_outputs(retail_test_env):
     assert expected_hash(env.unwrapped.backend.world, "test", j) == env.unwrapped.backend.world.initial_hash
 
 
+def test_naming_every_status_answers_no_status_question(retail_test_env):
+    """A message that lists every possible answer neither earns the reward nor satisfies the customer,
+    while the one right label does both (the oracle's answers: test_oracle_solves_test_split)."""
+    from sinkflex_core.envs.retail_tasks import ANSWER_LABELS, answer_given
+
+    stuffing = "Your order is pending, processed, delivered or cancelled; the item is not available."
+    tasks = get_tasks(0, "test")
+    label_tasks = [k for k, t in enumerate(tasks) if not t["actions"] and set(t["outputs"]) <= set(ANSWER_LABELS)]
+    assert len(label_tasks) >= 10
+    for k in label_tasks:
+        obs, info = retail_test_env.reset(options={"task_index": k})
+        obs, reward, terminated, truncated, info = retail_test_env.step(stuffing)
+        assert reward == 0.0 and "Thanks" not in obs, (k, obs)
+        assert retail_test_env.unwrapped.backend.reward()[0] == 0.0
+    assert answer_given("pending", "Order #W1 is Pending.") and answer_given("76.40", "That is 76.40 dollars.")
+    assert not answer_given("pending", "It is pending or delivered.")
+    assert answer_given("not available", "Sorry, the lamp is not available.")
+    assert not answer_given("delivered", "Order #W1 was undelivered")  # a substring that is not the word
+    assert answer_given("cancelled", "Order #W1 is cancelled, so I cannot cancel it.")
+
+
 def test_expert_conversation_format():
     messages, reward = expert_conversation("sinkflex/Retail-v0", "test", 2)
     assert reward == 1.0 and messages[0]["role"] == "system" and messages[1]["role"] == "user"
@@ -449,6 +494,15 @@ def test_pass_hat_k():
         pass_hat_k([[True]], 2)
     with pytest.raises(ValueError, match="positive"):
         pass_hat_k([[True]], 0)
+
+
+def test_pass_at_k_reads_numpy_counts_and_bool_outcomes():
+    import numpy as np
+
+    counts = [(c, 8) for c in np.array([3, 0])]  # numpy ints, as from a DataFrame's values
+    assert pass_at_k(counts, 1) == pytest.approx(3 / 16) and pass_hat_k(counts, 1) == pytest.approx(3 / 16)
+    assert pass_at_k([(False, True)], 1) == pytest.approx(0.5)  # two outcomes, not a (c, n) pair
+    assert pass_at_k([(True, False)], 2) == pytest.approx(1.0)
 
 
 def test_custom_customer_plugs_in():

@@ -167,8 +167,66 @@ def test_http_status_codes(http_env):
             reply = s.recv(400)
             assert reply.startswith(b"HTTP/1.") and reply.split(b" ")[1] == code or b"Error code: " + code in reply, (
                 raw, reply)
+    # JSON nested deeper than the parser's recursion limit, and a string that is no valid Unicode
+    deep = b'{"arguments": {"thought": ' + b"[" * 3000 + b"]" * 3000 + b"}}"
+    assert post_raw(f"{url}/tools/think", deep, json_h)[0] == 400
+    lone = b'{"arguments": {"email": "a\\ud800@x.com"}}'
+    status, body = post_raw(f"{url}/tools/find_user_id_by_email", lone, json_h)
+    assert status == 422 and "Unicode" in body["error"]
     # the server is still serving after all of that
     assert post_raw(f"{url}/tools/list_all_product_types", b"{}", json_h)[0] == 200
+
+
+def _call_text(tool: str, arguments_json: str) -> str:
+    """A tool call whose arguments are given as raw JSON text (escapes and nesting kept as written)."""
+    return '<tool_call>\n{"name": "' + tool + '", "arguments": ' + arguments_json + '}\n</tool_call>'
+
+
+@pytest.mark.parametrize("env_id", ["sinkflex/Retail-v0", "sinkflex/RetailHTTP-v0", "sinkflex/BankSQL-v0"])
+def test_deep_json_and_lone_surrogates_are_errors_not_crashes(env_id):
+    env = gym.make(env_id, split="train")
+    env.reset(options={"task_index": 0})
+    before = env.unwrapped.backend.state_hash()
+    tool = "run_sql" if "Bank" in env_id else "find_user_id_by_email"
+    key = "query" if "Bank" in env_id else "email"
+    actions = {
+        '<tool_call>\n{"name": "think", "arguments": {"thought": ' + "[" * 3000 + "]" * 3000 + '}}\n</tool_call>':
+            "nested too deeply",
+        _call_text(tool, '{"' + key + '": "a\\ud800@x.com"}'):
+            "not valid Unicode",
+        _call_text(tool, json.dumps(json.dumps({key: 0}).replace("0", "[" * 3000 + "]" * 3000))):
+            "nested too deeply",
+    }
+    try:
+        for action, message in actions.items():
+            obs, reward, terminated, truncated, info = env.step(action)
+            assert obs.startswith("Error") and message in obs, obs[:200]
+        assert env.unwrapped.backend.state_hash() == before
+    finally:
+        env.close()
+
+
+def test_a_bad_make_of_the_http_env_leaves_no_server_behind():
+    import threading
+
+    before = {t.ident for t in threading.enumerate()}
+    for bad, message in (({"split": "bogus"}, "split must be one of"), ({"max_turns": 0}, "max_turns must be")):
+        with pytest.raises(ValueError, match=message):
+            gym.make("sinkflex/RetailHTTP-v0", **bad)
+    leftover = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert leftover == []
+
+
+def test_closing_the_bank_env_closes_its_database_copy():
+    import sqlite3
+
+    env = gym.make("sinkflex/BankSQL-v0", split="train")
+    env.reset(options={"task_index": 0})
+    conn = env.unwrapped.backend.conn
+    env.close()
+    with pytest.raises(sqlite3.ProgrammingError):
+        conn.execute("SELECT 1")
+    env.close()  # twice is harmless
 
 
 def test_http_matches_in_process():

@@ -45,7 +45,12 @@ def make_retail_http_env(split: str = "train", max_turns: int = 30, world_seed: 
     """``sinkflex/RetailHTTP-v0``: the same store, tools served over HTTP on 127.0.0.1."""
     from .http_server import RetailHTTPBackend
 
-    return ToolEnv(RetailHTTPBackend(world_seed), split=split, max_turns=max_turns, render_mode=render_mode)
+    backend = RetailHTTPBackend(world_seed)  # its server is running from here on
+    try:
+        return ToolEnv(backend, split=split, max_turns=max_turns, render_mode=render_mode)
+    except BaseException:  # a bad argument: stop the server instead of leaving its thread and socket behind
+        backend.close()
+        raise
 
 
 def make_bank_env(split: str = "train", max_turns: int = 12, db_seed: int = 0,

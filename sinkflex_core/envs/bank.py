@@ -332,7 +332,9 @@ class BankBackend:
         return h.hexdigest()
 
     def close(self) -> None:
-        pass
+        if self.conn is not None:  # the environment's private copy of the database
+            self.conn.close()
+            self.conn = None
 
 
 class BankOracle:

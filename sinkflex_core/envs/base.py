@@ -164,6 +164,8 @@ def _tool_from_obj(obj: Any) -> Action:
             args = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError as err:
             return Action("invalid", name=name, error=f"'arguments' is not valid JSON ({err.msg})")
+        except RecursionError:
+            return Action("invalid", name=name, error="'arguments' is nested too deeply")
     if args is None:
         args = {}
     if not isinstance(args, dict):
@@ -191,6 +193,8 @@ def parse_action(text: str) -> Action:
             obj = json.loads(body)
         except json.JSONDecodeError as err:
             return Action("invalid", error=f"the tool call is not valid JSON ({err.msg} at char {err.pos})")
+        except RecursionError:
+            return Action("invalid", error="the tool call is nested too deeply")
         return _tool_from_obj(obj)
     stripped = text.strip()
     if stripped.startswith("```"):
@@ -198,7 +202,7 @@ def parse_action(text: str) -> Action:
     if stripped.startswith("{") and stripped.endswith("}"):
         try:
             obj = json.loads(stripped)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # not a tool call: a message
             obj = None
         if isinstance(obj, dict) and "name" in obj and ("arguments" in obj or "parameters" in obj):
             return _tool_from_obj(obj)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .retail_tasks import identity_text
+from .retail_tasks import answer_given, identity_text
 
 STOP = "###STOP###"
 CONFIRM_MARK = "(yes/no)"
@@ -59,7 +59,7 @@ class ScriptedCustomer:
             return self._strike("No, that is not what I want. " + req["text"])
         if self.confirmed:
             return self._advance()
-        if req["answer_keys"] and all(k.lower() in low.replace(",", "") for k in req["answer_keys"]):
+        if req["answer_keys"] and all(answer_given(k, agent_text) for k in req["answer_keys"]):
             return self._advance()
         if "email" in low or "zip" in low:
             return self._strike(identity_text(self.task["persona"], self.task["identify_by"]))

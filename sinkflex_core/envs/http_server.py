@@ -81,8 +81,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(415, {"error": "Content-Type must be application/json"})
         try:
             body = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return self._send(400, {"error": "body is not valid JSON"})
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            return self._send(400, {"error": "body is not valid JSON (or nested too deeply)"})
         if not isinstance(body, dict) or not isinstance(body.get("arguments", {}), dict):
             return self._send(400, {"error": "body must be {\"arguments\": {...}}"})
         arguments = body.get("arguments", {})

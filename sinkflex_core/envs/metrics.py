@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from math import comb
+from numbers import Integral
+
+import numpy as np
 
 
 def pass_hat_k(successes_per_task: Sequence, k: int) -> float:
@@ -34,12 +37,17 @@ def _check_k(successes_per_task: Sequence, k: int) -> None:
         raise ValueError("pass^k and pass@k need at least one task")
 
 
+def _is_count(v) -> bool:
+    """An integer (numpy's too) that is not a bool: ``(c, n)`` pairs are counts, bools are outcomes."""
+    return isinstance(v, Integral) and not isinstance(v, bool | np.bool_)
+
+
 def _counts(successes_per_task: Sequence, k: int) -> list[tuple[int, int]]:
     """(c, n) per task, checked: 0 <= c <= n and n >= k."""
     out = []
     for i, entry in enumerate(successes_per_task):
-        if isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(v, int) for v in entry):
-            c, n = entry
+        if isinstance(entry, tuple) and len(entry) == 2 and all(_is_count(v) for v in entry):
+            c, n = int(entry[0]), int(entry[1])
         else:
             outcomes = [bool(v) for v in entry]
             c, n = sum(outcomes), len(outcomes)

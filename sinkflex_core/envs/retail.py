@@ -3,7 +3,11 @@
 Reward (as in the public benchmark): 1.0 when the database after the episode hashes to the same
 value as the initial database with the task's ground-truth actions replayed on it, and every required
 output (e.g. an order's total) appears in some message the agent sent to the customer (lower-case,
-commas removed); 0.0 otherwise. Reads never matter; any path to the same final state passes.
+commas removed); 0.0 otherwise. Reads never matter; any path to the same final state passes. One
+departure: an order status or "not available" counts only in a message that names no other of
+those labels (:func:`sinkflex_core.envs.retail_tasks.answer_given`), since the public benchmark's
+outputs are mostly numbers, while here a message listing all four statuses would otherwise answer
+about a fifth of the tasks without a single tool call.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from importlib import resources
 
 from .base import ToolResult
 from .customer import Customer, ScriptedCustomer
-from .retail_tasks import SPLITS, get_tasks
+from .retail_tasks import SPLITS, answer_given, get_tasks
 from .retail_tools import TOOL_SCHEMAS, RetailTools
 from .retail_world import RetailWorld, state_hash
 
@@ -50,8 +54,8 @@ def expected_hash(world: RetailWorld, split: str, index: int) -> str:
 
 
 def outputs_found(outputs: list[str], agent_messages: list[str]) -> list[bool]:
-    said = [m.lower().replace(",", "") for m in agent_messages]
-    return [any(o.lower().replace(",", "") in m for m in said) for o in outputs]
+    """For each required output, whether one of the agent's messages gives it (:func:`answer_given`)."""
+    return [any(answer_given(o, m) for m in agent_messages) for o in outputs]
 
 
 class RetailBackend:

@@ -49,6 +49,23 @@ def format_address(addr: dict) -> str:
     return ", ".join(addr[k] for k in ("address1", "address2", "city", "state", "country", "zip"))
 
 
+# The answers of status and refusal requests come from this small set. A message that names several
+# of them answers nothing: "pending, processed, delivered or cancelled" would otherwise pass every
+# status question without looking anything up (a loophole that reinforcement learning finds).
+ANSWER_LABELS = ("pending", "processed", "delivered", "cancelled", "not available")
+_LABEL_RE = {label: re.compile(rf"\b{re.escape(label)}\b") for label in ANSWER_LABELS}
+
+
+def answer_given(answer: str, text: str) -> bool:
+    """Whether the agent's message ``text`` gives ``answer``: it contains it (case and commas
+    ignored); an answer of :data:`ANSWER_LABELS` must be there as a word, and no other of them."""
+    low, want = text.lower().replace(",", ""), answer.lower().replace(",", "")
+    if want in _LABEL_RE:  # as a word ("undelivered" is not "delivered"), and alone
+        return bool(_LABEL_RE[want].search(low)) and not any(
+            rx.search(low) for label, rx in _LABEL_RE.items() if label != want)
+    return want in low
+
+
 def identity_text(persona: dict, by: str) -> str:
     if by == "email":
         return f"My email is {persona['email']}."

@@ -78,6 +78,15 @@ class ToolError(Exception):
     """A refusal or a bad call: becomes an ``Error: ...`` observation."""
 
 
+def _encodable(text: str) -> bool:
+    """False for a string that cannot be stored as UTF-8 (JSON's ``\\ud800`` escapes give lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_arguments(name: str, arguments: dict, schemas: dict = _SCHEMA_BY_NAME) -> None:
     """Raise :class:`ToolError` unless ``arguments`` fit the tool's JSON schema."""
     if name not in schemas:
@@ -101,6 +110,8 @@ def check_arguments(name: str, arguments: dict, schemas: dict = _SCHEMA_BY_NAME)
                 raise ToolError(f"argument {key!r} must be a string")
             if len(value) > MAX_STRING:
                 raise ToolError(f"argument {key!r} is too long ({len(value)} characters)")
+            if not _encodable(value):
+                raise ToolError(f"argument {key!r} is not valid Unicode text (a lone surrogate)")
             if "enum" in props[key] and value not in props[key]["enum"]:
                 raise ToolError(f"argument {key!r} must be one of {props[key]['enum']}")
         elif kind == "array":
@@ -108,6 +119,8 @@ def check_arguments(name: str, arguments: dict, schemas: dict = _SCHEMA_BY_NAME)
                 raise ToolError(f"argument {key!r} must be a list of strings")
             if len(value) > MAX_LIST or any(len(v) > MAX_STRING for v in value):
                 raise ToolError(f"argument {key!r} is too long")
+            if not all(_encodable(v) for v in value):
+                raise ToolError(f"argument {key!r} is not valid Unicode text (a lone surrogate)")
 
 
 def _dollars(cents: int) -> float:
@@ -318,9 +331,14 @@ class RetailTools:
         order = self._order_row(order_id)
         if order[2] != "pending":
             raise ToolError("non-pending order cannot be cancelled")
+        # what each payment method paid net of what it got back already (a changed payment method
+        # was refunded when it was changed): refunding every payment row would pay it twice
+        net: dict[str, int] = {}
+        for _, kind, pm_id, cents in self._payments(order_id):
+            net[pm_id] = net.get(pm_id, 0) + (cents if kind == "payment" else -cents)
         with self.conn:
-            for _, kind, pm_id, cents in self._payments(order_id):
-                if kind != "payment":
+            for pm_id, cents in net.items():
+                if cents <= 0:
                     continue
                 self._add_payment(order_id, "refund", pm_id, cents)
                 self.conn.execute("UPDATE payment_methods SET balance_cents = balance_cents + ? "
