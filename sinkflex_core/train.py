@@ -561,8 +561,18 @@ def screened_tasks(path: str | Path, split: str, num_tasks: int) -> list[int]:
     if table["task"].duplicated().any():
         raise ConfigError(f"task_screen {path}: task {int(table['task'][table['task'].duplicated()].iloc[0])} "
                           "has more than one row")
+    versions = set(table["reward_version"]) if "reward_version" in table.columns else {1}
+    if versions != {_reward_version()}:
+        warnings.warn(f"task_screen {path} was made under reward version(s) {sorted(versions)}, not the "
+                      f"current {_reward_version()}: the successes may differ now (screen again)", stacklevel=2)
     keep = table[(table["successes"] > 0) & (table["successes"] < table["tries"])]
     return sorted(int(t) for t in keep["task"])
+
+
+def _reward_version() -> int:
+    from .envs.retail import REWARD_VERSION
+
+    return REWARD_VERSION
 
 
 def derive_seed(*parts) -> int:
@@ -1625,7 +1635,8 @@ def success_table(policy_dir: str | os.PathLike, split: str, tasks: list[int], s
                             progress)
     table = pd.DataFrame({"task": tasks, "kind": task_kinds(split, tasks), "successes": counts, "tries": samples})
     table = table.assign(policy=Path(policy_dir).name, policy_digest=policy_digest(policy_dir), split=split,
-                         seed=seed, minutes=round((time.perf_counter() - start) / 60, 2))
+                         reward_version=_reward_version(), seed=seed,
+                         minutes=round((time.perf_counter() - start) / 60, 2))
     for key, value in provenance().items():
         table[key] = value
     return table
@@ -1645,9 +1656,10 @@ def screen_or_reuse(policy_dir: str | os.PathLike, path: str | os.PathLike, samp
     digest = policy_digest(policy_dir)
     if path.is_file():
         old = pd.read_csv(path, dtype={"policy_digest": str})  # a digest of digits only stays a string
-        if ({"task", "policy_digest", "split", "tries"} <= set(old.columns) and list(old["task"]) == task_ids
-                and set(old["policy_digest"].astype(str)) == {digest} and set(old["split"]) == {split}
-                and set(old["tries"]) == {samples}):
+        if ({"task", "policy_digest", "split", "tries", "reward_version"} <= set(old.columns)
+                and list(old["task"]) == task_ids and set(old["policy_digest"].astype(str)) == {digest}
+                and set(old["split"]) == {split} and set(old["tries"]) == {samples}
+                and set(old["reward_version"]) == {_reward_version()}):
             print(f"screen: reusing {path} (same policy weights)", file=sys.stderr, flush=True)
             return path
     print(f"screen: {len(task_ids)} {split} tasks x {samples} episodes of {policy_dir} -> {path}", file=sys.stderr,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from sinkflex_core import train
+from sinkflex_core.envs.retail import REWARD_VERSION
 from sinkflex_core.models import build_model, get_tokenizer, tiny_qwen2_config
 from sinkflex_core.rollout import AgentBackend
 
@@ -81,3 +82,11 @@ def test_screen_is_written_once_per_policy_weights(tokenizer, tmp_path, capsys):
     assert again["policy_digest"].iloc[0] != first["policy_digest"].iloc[0]
     train.screen_or_reuse(policy, path, samples=3, tasks=3, progress=False)
     assert set(pd.read_csv(path)["tries"]) == {3}
+    # A screen made under an earlier reward (no reward_version column: version 1) is made again,
+    # and handed to the trainer as it is, it is used with a warning.
+    old = pd.read_csv(path).drop(columns=["reward_version"])
+    old.to_csv(path, index=False)
+    with pytest.warns(UserWarning, match="reward version"):
+        train.screened_tasks(path, "train", 600)
+    train.screen_or_reuse(policy, path, samples=3, tasks=3, progress=False)
+    assert set(pd.read_csv(path)["reward_version"]) == {REWARD_VERSION}

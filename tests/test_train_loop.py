@@ -195,8 +195,10 @@ def test_train_tasks_limits_the_sampled_tasks(tokenizer_dir, tmp_path):
 
 
 def _screen(path: Path, successes: list[int], tries: int = 4, split: str = "train") -> str:
-    pd.DataFrame({"task": range(len(successes)), "successes": successes, "tries": tries,
-                  "split": split}).to_csv(path, index=False)
+    from sinkflex_core.envs.retail import REWARD_VERSION
+
+    pd.DataFrame({"task": range(len(successes)), "successes": successes, "tries": tries, "split": split,
+                  "reward_version": REWARD_VERSION}).to_csv(path, index=False)
     return str(path)
 
 

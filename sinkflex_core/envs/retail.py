@@ -53,6 +53,11 @@ def expected_hash(world: RetailWorld, split: str, index: int) -> str:
     return value
 
 
+# Bumped whenever the same episode can score differently: results cached by reward (task screens)
+# are only reused under the version they were made with. 2: a status answer must name no other status.
+REWARD_VERSION = 2
+
+
 def outputs_found(outputs: list[str], agent_messages: list[str]) -> list[bool]:
     """For each required output, whether one of the agent's messages gives it (:func:`answer_given`)."""
     return [any(answer_given(o, m) for m in agent_messages) for o in outputs]
