@@ -410,7 +410,8 @@ def identity_batch(openings: list[dict[str, torch.Tensor]], rows: int, rng: np.r
 
 def length_batches(lengths: list[int], batch_tokens: int, rng: np.random.Generator) -> list[list[int]]:
     """Indices grouped into batches of similar length whose padded size (rows x longest) stays within
-    ``batch_tokens``; examples are shuffled within length buckets and the batch order is random."""
+    ``batch_tokens``; examples are sorted by length (those of equal length in random order), so an
+    epoch's batches change little from one epoch to the next, and the batch order is random."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], rng.random()))
     batches, cur, longest = [], [], 0
     for i in order:
@@ -605,7 +606,8 @@ def recall_drills(rows: int, length: int, token_ids: torch.Tensor, fillers: torc
         tries = 0
         while True:
             n = int(rng.integers(2, 7))
-            keys = key_ids[torch.from_numpy(rng.choice(len(key_ids), min(n, len(key_ids)), replace=False))]
+            fresh = key_ids[~torch.isin(key_ids, used)]  # a key of an earlier block would be asked with two values
+            keys = fresh[torch.from_numpy(rng.choice(len(fresh), min(n, len(fresh)), replace=False))]
             avoid = torch.cat([used, keys])
             values = []
             while len(values) < len(keys):  # values: 1-3 tokens that are neither fillers nor keys
