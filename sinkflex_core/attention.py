@@ -194,6 +194,7 @@ class SinkFlexMask:
     document_start: Tensor | None = None
     key_valid: Tensor | None = None
     device: torch.device | str = "cpu"
+    keys_dropped: int = 0  # keys a sliding-window cache has evicted before key 0 (sinks need the first ones)
     _cache: dict = field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------------ constructors
@@ -440,7 +441,11 @@ class _ChunkedAttention(torch.autograd.Function):
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, mask: SinkFlexMask) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be (batch, heads, length, head_dim)")
-    if q.shape[1] % k.shape[1] != 0 or k.shape[1] != v.shape[1]:
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree in batch, heads and length, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch size or head_dim")
+    if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if (q.shape[0], q.shape[2], k.shape[2]) != (mask.batch_size, mask.q_len, mask.kv_len):
         raise ValueError(
@@ -609,6 +614,7 @@ def sinkflex_mask(
         start,
         valid,
         device,
+        keys_dropped=int(kv_offset),
     )
 
 
@@ -656,6 +662,10 @@ def sinkflex_attention_forward(
             f"{type(attention_mask).__name__}); call sinkflex_core.attention.register() before the model runs"
         )
     n_sink, window = _layer_settings(module)
+    if n_sink and attention_mask.keys_dropped:
+        raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: {n_sink} sink tokens, but the cache has "
+                         f"evicted the first {attention_mask.keys_dropped} keys (a sliding-window cache layer); "
+                         "generate with a cache that keeps every key, or with n_sink=0 on sliding layers")
     own_window = kwargs.get("sliding_window")
     if own_window:
         # layers that are sliding-window by design (gpt-oss, Mistral-style) keep at most their own window
@@ -725,7 +735,7 @@ def apply(
     count per layer, or a JSON file / model folder written by :func:`save_layer_sinks`) overrides
     ``n_sink`` layer by layer. ``learn_sinks`` adds a float32 parameter ``sinkflex_sink_logits`` (H,)
     to every attention layer, initialised at ``sink_init`` so that outputs are unchanged (see
-    ``DEFAULT_SINK_LOGIT``). Call it before wrapping the model with peft; :func:`sink_parameters` lists
+    ``DEFAULT_SINK_LOGIT``), or at the layer's own trained sink logits where it has them (gpt-oss). Call it before wrapping the model with peft; :func:`sink_parameters` lists
     the new parameters (to keep them trainable next to LoRA). Returns the model.
     """
     register()
@@ -734,7 +744,7 @@ def apply(
     if n_sink < 0:
         raise ValueError(f"n_sink must be >= 0, got {n_sink}")
     mods = _attention_modules(model)
-    if layer_sinks is not None and not isinstance(layer_sinks, Sequence):
+    if isinstance(layer_sinks, str | os.PathLike):  # a str is a Sequence too: test the path types first
         layer_sinks = load_layer_sinks(layer_sinks)
     if layer_sinks is not None and len(layer_sinks) != len(mods):
         raise ValueError(f"layer_sinks has {len(layer_sinks)} entries for {len(mods)} attention layers")
@@ -747,10 +757,10 @@ def apply(
         m.sinkflex_chunk_size = chunk_size
         if learn_sinks and not hasattr(m, "sinkflex_sink_logits"):
             dev = m.o_proj.weight.device
-            m.register_parameter(
-                "sinkflex_sink_logits",
-                nn.Parameter(torch.full((n_heads,), float(sink_init), dtype=torch.float32, device=dev)),
-            )
+            own = getattr(m, "sinks", None)  # gpt-oss's trained sink logits: start from them, not from sink_init
+            init = (own.detach().float().clone() if isinstance(own, torch.Tensor) and own.shape == (n_heads,)
+                    else torch.full((n_heads,), float(sink_init), dtype=torch.float32, device=dev))
+            m.register_parameter("sinkflex_sink_logits", nn.Parameter(init))
     cfg.sinkflex_n_sink = int(n_sink)
     cfg.sinkflex_window = window
     cfg.sinkflex_layer_sinks = None if layer_sinks is None else [int(x) for x in layer_sinks]

@@ -362,7 +362,9 @@ def init_previous_token_heads(model, layer: int = 0, kv_head: int = 0, offsets=(
     """In a ``Qwen2ForCausalLM``, turn the query heads of one KV group of ``layer`` into previous-token heads: head ``n`` of
     the group attends to the token ``offsets[n]`` positions back, whatever the tokens are (zero
     query/key weights, biases from :func:`previous_token_biases`); values and output stay as they
-    are. Returns the smallest attention on the target position, per head.
+    are. The group shares one key projection, which is replaced too: with fewer ``offsets`` than the
+    group has query heads, the others keep their queries but meet position-only keys until training
+    moves them. Returns the smallest attention on the target position, per head.
 
     Why: copying an id from the context needs an induction circuit (a previous-token head, then a
     head that matches the current token against what preceded each earlier token). A tiny model

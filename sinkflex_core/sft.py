@@ -410,7 +410,8 @@ def identity_batch(openings: list[dict[str, torch.Tensor]], rows: int, rng: np.r
 
 def length_batches(lengths: list[int], batch_tokens: int, rng: np.random.Generator) -> list[list[int]]:
     """Indices grouped into batches of similar length whose padded size (rows x longest) stays within
-    ``batch_tokens``; examples are shuffled within length buckets and the batch order is random."""
+    ``batch_tokens``; examples are sorted by length (those of equal length in random order), so an
+    epoch's batches change little from one epoch to the next, and the batch order is random."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], rng.random()))
     batches, cur, longest = [], [], 0
     for i in order:
@@ -563,8 +564,9 @@ RECALL_FILLER_WORDS = ("is", "am", "are", "to", "of", "my", "the", "at", "in", "
 
 
 def recall_tokens(tokenizer, examples: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens of :func:`recall_drills`: ``(token_ids, fillers)``, every non-special token that
-    occurs in ``examples``, and those of them that may stand between a key and its value: tokens
+    """The tokens of :func:`recall_drills`: ``(token_ids, fillers)``, every token that occurs in
+    ``examples`` but pad and end-of-text (``all_special_ids`` names only those two here: the chat's
+    ``<|im_start|>`` and tool tags are drawn too), and those of them that may stand between a key and its value: tokens
     without a letter or digit (a space, quotes, ``":``, a comma) and a few short words (``is``, ``am``...)."""
     special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
     seen = torch.unique(torch.cat([e["input_ids"] for e in examples]))
@@ -605,7 +607,8 @@ def recall_drills(rows: int, length: int, token_ids: torch.Tensor, fillers: torc
         tries = 0
         while True:
             n = int(rng.integers(2, 7))
-            keys = key_ids[torch.from_numpy(rng.choice(len(key_ids), min(n, len(key_ids)), replace=False))]
+            fresh = key_ids[~torch.isin(key_ids, used)]  # a key of an earlier block would be asked with two values
+            keys = fresh[torch.from_numpy(rng.choice(len(fresh), min(n, len(fresh)), replace=False))]
             avoid = torch.cat([used, keys])
             values = []
             while len(values) < len(keys):  # values: 1-3 tokens that are neither fillers nor keys
@@ -926,6 +929,8 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
         if cfg.previous_token_heads:
             models.init_previous_token_heads(model, n_pos=cfg.max_total_tokens)
     policy = TokenLogprobs(model)
+    # every id but pad and end-of-text (the only two all_special_ids names): the drills, as recorded, also
+    # copy the chat tokens and the ~630 reserved ids that the episodes never contain
     special = set(tokenizer.all_special_ids)
     copy_tokens = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
     if cfg.copy_warmup_steps and not cfg.init_from:

@@ -239,6 +239,20 @@ def test_gpt_oss_model_under_sinkflex_equals_its_eager_attention():
         other = model(input_ids=ids).logits
     assert (out - ref).abs().max() < 1e-5
     assert (other - ref).abs().max() > 1e-4
+    # learnable sinks start from the model's own trained ones, so apply() leaves the model as it was
+    model.config.sinkflex_n_sink = 0
+    A.apply(model, n_sink=0, window=None, learn_sinks=True)
+    for m in A._attention_modules(model):
+        assert torch.equal(m.sinkflex_sink_logits.detach(), m.sinks.detach().float())
+    with torch.no_grad():
+        learned = model(input_ids=ids).logits
+    assert (learned - ref).abs().max() < 1e-5
+    # cached generation past the sliding window: the cache evicts the first keys, which sink tokens need
+    with torch.no_grad():
+        model.generate(ids[:1, :12], max_new_tokens=4, do_sample=False)  # no sink tokens: fine
+        A.apply(model, n_sink=2, window=None, learn_sinks=False)
+        with pytest.raises(ValueError, match="evicted the first"):
+            model.generate(ids[:1, :12], max_new_tokens=4, do_sample=False)
 
 
 def test_sink_at_initial_logit_leaves_output_unchanged_but_learns():
@@ -426,6 +440,8 @@ def test_estimate_save_load_and_per_layer_masks(tmp_path):
     assert A.load_layer_sinks(tmp_path) == [1, 3, 3, 1]
     sf = A.apply(copy.deepcopy(model), window=4, layer_sinks=tmp_path, learn_sinks=False)
     assert [m.sinkflex_n_sink for m in A._attention_modules(sf)] == [1, 3, 3, 1]
+    as_text = A.apply(copy.deepcopy(model), window=4, layer_sinks=str(path), learn_sinks=False)  # a str path
+    assert [m.sinkflex_n_sink for m in A._attention_modules(as_text)] == [1, 3, 3, 1]
     # the per-layer counts are what the layers use: a uniform 3 differs only in layers 0 and 3
     uni = A.apply(copy.deepcopy(model), n_sink=3, window=4, learn_sinks=False)
     one = A.apply(copy.deepcopy(model), n_sink=1, window=4, learn_sinks=False)

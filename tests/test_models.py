@@ -107,8 +107,8 @@ def test_training_is_deterministic_and_fast():
     b = train_tokenizer(texts, 1024)
     assert a.to_str() == b.to_str()
     assert a.get_vocab_size() == 1024
-    c = train_tokenizer(texts[::-1], 1024)  # the corpus does shape the merges
-    assert c.get_vocab_size() == 1024
+    c = train_tokenizer(texts[: len(texts) // 3], 1024)  # the corpus does shape the merges
+    assert c.get_vocab_size() == 1024 and c.to_str() != a.to_str()
     with pytest.raises(ValueError, match="too small"):
         train_tokenizer(texts, 100)
 
