@@ -142,8 +142,8 @@ both evaluations; a one-off run with 600 warm-up steps had an SFT loss of 1.86 a
 1.02, and validation reward 0.025): e-mail 36 of 36, first name 24 of 24, last name 24 of 24, the
 identity call's zip 0 of 24; first tokens of numbers 69 %, the rest 92 % and 99 %. At GRPO's first
 evaluation (60 test tasks x 2, each seed sampling its own episodes) it scored 0.042, 0.025 and 0.042,
-against 0.025, 0.033 and 0.042 for the one-stage start (and 0.075, 0.042 and 0.058 with the sampler
-of the later recording): reading the customer's identity is not what holds the reward down. 33 of the 60 test tasks need a value the customer describes in words (a new
+against 0.025, 0.033 and 0.042 for the one-stage start (and 0.067, 0.042 and 0.058 in the
+current recording): reading the customer's identity is not what holds the reward down. 33 of the 60 test tasks need a value the customer describes in words (a new
 address, the items of an order), and the other 27 need every id of the task copied right (about 70 %
 each at the first token).
 
