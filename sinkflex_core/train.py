@@ -297,7 +297,7 @@ PAPER_8XH100 = dict(
 # them out of the update took it from 27-32 s to 6-8 s a step (mean per seed, recorded runs), which
 # with the faster rollouts of the same commit gave the 12-minute budget 14-16 steps instead of 6-8.
 # Their KL to the reference is not computed either (it still applies to every trajectory updated on).
-# The recorded reproduction also passes task_screen (screen_or_reuse: the 91 of 600 training tasks the
+# The recorded reproduction also passes task_screen (screen_or_reuse: the 90 of 600 training tasks the
 # start solved sometimes); that file belongs to one start's weights, so it is not part of the preset.
 TINY_CPU = dict(preset="tiny-cpu", drop_uniform_groups=True)
 
