@@ -1773,7 +1773,8 @@ def reward_figure(recorded=None, sft_recorded=None, live=None, baseline=None):
     per stage (``data/reward_curve_sft.csv``) beside GRPO's test reward for every recorded seed
     (``data/reward_curve.csv``), with the paper's start and end; ``live``, a curve table of a run of
     one's own, is added in its own colour, and ``baseline``, the recorded seeds of GRPO on all the
-    training tasks (``data/reward_curve_all_tasks.csv``), in grey. Any of them may be None."""
+    training tasks (``data/reward_curve_all_tasks.csv``, recorded under reward version 1), in grey.
+    Any of them may be None."""
     import matplotlib.pyplot as plt
 
     fig, (ax0, ax) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1, 1.4]})
@@ -1788,9 +1789,9 @@ def reward_figure(recorded=None, sft_recorded=None, live=None, baseline=None):
     ax0.grid(alpha=0.3)
     ax0.legend(fontsize=8)
     if baseline is not None:
-        plot_reward_curves(baseline, ax=ax, label="GRPO on all training tasks:", color="tab:gray")
+        plot_reward_curves(baseline, ax=ax, label="all training tasks (reward v1):", color="tab:gray")
     if recorded is not None:
-        plot_reward_curves(recorded, ax=ax, label="recorded:", color="tab:blue")
+        plot_reward_curves(recorded, ax=ax, label="screened tasks:", color="tab:blue")
     if live is not None:
         plot_reward_curves(live, ax=ax, label="this run:", color="tab:orange")
     ax.axhline(PAPER_REWARD_START, color="grey", ls=":", lw=1, label=f"paper, start: {PAPER_REWARD_START}")

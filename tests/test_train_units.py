@@ -326,9 +326,9 @@ def test_reward_figure_draws_the_sft_stages_the_recorded_seeds_and_a_run_of_ones
     stages = [line for line in sft_ax.lines if line.get_label().startswith("sft")]
     assert [list(line.get_xdata()) for line in stages] == [[500, 1000], [1250]]
     labels = [line.get_label() for line in grpo_ax.lines]
-    assert any(label.startswith("recorded: mean of 2 seeds") for label in labels)
+    assert any(label.startswith("screened tasks: mean of 2 seeds") for label in labels)
     assert any(label.startswith("this run: seed 0") for label in labels)
-    assert any(label.startswith("GRPO on all training tasks: mean of 2 seeds") for label in labels)
+    assert any(label.startswith("all training tasks (reward v1): mean of 2 seeds") for label in labels)
     assert any(label.startswith("paper, end: 0.44") for label in labels)
     assert "1.6M parameters" in fig._suptitle.get_text()
     # no data at all: the empty panels with the paper's lines, no error
