@@ -191,7 +191,7 @@ import numpy as np
 import torch
 
 from .models import DEFAULT_VOCAB_SIZE
-from .train import COMPACT_SYSTEM_PROMPT, ConfigError, TokenLogprobs, _coerce_simple
+from .train import COMPACT_SYSTEM_PROMPT, ConfigError, TokenLogprobs, _coerce_simple, _is_optional
 
 
 @dataclass
@@ -1130,7 +1130,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument(flag, dest=f.name, default=default)
     args = vars(p.parse_args(argv))
     try:
-        values = {k: (_coerce_simple(getattr(SFTConfig(), k), v) if isinstance(v, str) else v)
+        optional = {f.name for f in dataclasses.fields(SFTConfig) if _is_optional(f)}
+        values = {k: (_coerce_simple(getattr(SFTConfig(), k), v, optional=k in optional) if isinstance(v, str) else v)
                   for k, v in args.items()}
         result = train_sft(SFTConfig(**values))
     except ConfigError as err:

@@ -318,8 +318,11 @@ def rollout_config(cfg: TrainConfig, seed: int, group_size: int | None = None, t
                                  include_tools=cfg.include_tools)
 
 
-def _coerce_simple(default: Any, text: str) -> Any:
-    """``text`` read as the type of ``default`` (bool, int, float, str, or None meaning an optional str)."""
+def _coerce_simple(default: Any, text: str, optional: bool = False) -> Any:
+    """``text`` read as the type of ``default`` (bool, int, float, str); ``none`` is None for an
+    ``optional`` field (typed ``X | None``: :func:`_is_optional`) or one whose default is None."""
+    if (optional or default is None) and text.strip().lower() == "none":
+        return None
     if isinstance(default, bool):
         low = text.strip().lower()
         if low in {"1", "true", "yes", "on"}:
@@ -337,9 +340,12 @@ def _coerce_simple(default: Any, text: str) -> Any:
             return float(text)
     except (ValueError, OverflowError):  # OverflowError: int(float("inf"))
         raise ConfigError(f"cannot read {text!r} as {type(default).__name__}") from None
-    if default is None:
-        return None if text.strip().lower() == "none" else text
     return text
+
+
+def _is_optional(f: dataclasses.Field) -> bool:
+    """Whether a config field is typed ``X | None`` (the annotations are strings here)."""
+    return "None" in str(f.type)
 
 
 def _coerce(name: str, text: str) -> Any:
@@ -349,10 +355,8 @@ def _coerce(name: str, text: str) -> Any:
         raise ConfigError(f"unknown config key {name!r}; known keys: {sorted(fields)}")
     if name == "lora_targets":
         return _as_tuple(text)
-    if "None" in str(fields[name].type) and text.strip().lower() == "none":  # an optional field, unset
-        return None
     try:
-        return _coerce_simple(getattr(TrainConfig(), name), text)
+        return _coerce_simple(getattr(TrainConfig(), name), text, optional=_is_optional(fields[name]))
     except ConfigError as err:
         raise ConfigError(f"{name}: {err}") from None
 

@@ -95,6 +95,15 @@ def test_torchrun_command_reads_back_to_the_same_config():
 
     assert train.config_from_argv(["--set", "system_prompt=none"])[0].system_prompt is None
     assert train.config_from_argv(["--set", "system_prompt=None"])[0].system_prompt is None
+    # the same rule for SFTConfig, whose command line reads its values with the same function
+    import dataclasses
+
+    from sinkflex_core.sft import SFTConfig
+
+    field = {f.name: f for f in dataclasses.fields(SFTConfig)}["system_prompt"]
+    assert train._is_optional(field) and SFTConfig().system_prompt is not None
+    assert train._coerce_simple(SFTConfig().system_prompt, "none", optional=True) is None
+    assert train._coerce_simple("text", "none") == "none"  # a plain str field keeps the word
     for preset, prompt in (("tiny-cpu", None), ("paper-8xh100", "Don't say \"$HOME\"; be brief."),
                            ("tiny-cpu", "none of that")):
         cfg = train.resolve_config(preset, {"system_prompt": prompt, "lora_targets": "q_proj,v_proj"})
