@@ -912,12 +912,12 @@ def collect_rollouts(backend: GenerationBackend, tokenizer, env_id: str, task_in
     stop_ids = backend.stop_token_ids
     episodes: list[_Episode] = []
     deltas: dict[int, ChatDelta] = {}
-    pending_env = None
-    try:  # an error while the episodes are set up closes the environments made so far
+    pending_env = None  # an environment made but not yet in an episode (closed below if its set-up fails)
+    try:
         for group, task_index in enumerate(task_indices):
             for member in range(cfg.group_size):
                 env = gym.make(env_id, split=split, max_turns=cfg.max_turns, **cfg.env_kwargs)
-                pending_env = env  # closed below if setting up its episode fails
+                pending_env = env
                 obs, info = env.reset(seed=cfg.seed, options={"task_index": int(task_index)})
                 tools = info.get("tools") if cfg.include_tools else None
                 system = cfg.system_prompt if cfg.system_prompt is not None else info.get("policy", "")
@@ -938,15 +938,7 @@ def collect_rollouts(backend: GenerationBackend, tokenizer, env_id: str, task_in
                     log.warning("the prompt of task %s has %d tokens, max_total_tokens=%d leaves none to "
                                 "generate", task_index, len(prompt), cfg.max_total_tokens)
                     _finish(ep, "max_total_tokens")
-    except BaseException:
-        if pending_env is not None:
-            pending_env.close()
-        for ep in episodes:
-            if not ep.done:  # a finished episode's environment is closed already
-                ep.env.close()
-        raise
 
-    try:
         while True:
             live = [ep for ep in episodes if not ep.done]
             if not live:
@@ -966,8 +958,10 @@ def collect_rollouts(backend: GenerationBackend, tokenizer, env_id: str, task_in
                 _advance(ep, req, res, tokenizer, stop_ids, cfg)
     finally:
         backend.release()
+        if pending_env is not None:
+            pending_env.close()
         for ep in episodes:
-            if not ep.done:
+            if not ep.done:  # a finished episode's environment is closed already
                 ep.env.close()
     return RolloutBatch.from_trajectories([ep.traj for ep in episodes], pad_token_id=tokenizer.pad_token_id or 0)
 

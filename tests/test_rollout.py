@@ -386,3 +386,15 @@ def test_rows_that_stop_early_leave_the_batch_and_their_padding_leaves_the_cache
     assert fast_be._select_rows(list(histories), list(histories.values()))
     assert fast_be._mask.shape[1] == real.max() < stock_be._mask.shape[1]
     assert all(layer.keys.shape[2] == real.max() for layer in fast_be._cache.layers)
+
+
+def test_a_failed_set_up_closes_the_environments_already_made(tok):
+    """The second task does not exist: the HTTP environment made for the first one is closed (its
+    server thread stops) before the error reaches the caller."""
+    import threading
+
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(Exception, match="task_index"):
+        collect_rollouts(AgentBackend(tok), tok, "sinkflex/RetailHTTP-v0", [0, 10**6], "test",
+                         RolloutConfig(group_size=1, max_turns=2))
+    assert [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()] == []
