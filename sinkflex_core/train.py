@@ -1650,7 +1650,7 @@ def screen_or_reuse(policy_dir: str | os.PathLike, path: str | os.PathLike, samp
                     split: str = "train", tasks: int = 0, seed: int = 0, progress: bool = True) -> Path:
     """Write ``path``, the screen of the first ``tasks`` tasks of ``split`` (0: all; ``samples``
     episodes each; pass it as ``task_screen``), unless it already holds one of these very weights (same
-    ``policy_digest``, split, tasks and samples); returns ``path``. The tiny policy takes about 20
+    ``policy_digest``, split, tasks and samples) made under the current ``REWARD_VERSION``; returns ``path``. The tiny policy takes about 20
     minutes on 2 cores for the 600 training tasks x 4."""
     import pandas as pd
 
