@@ -23,6 +23,7 @@ import http.client
 import json
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 import weakref
@@ -49,6 +50,23 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format, *args):  # noqa: A002 - keep the test output clean
         pass
 
+    # A connection is busy from the moment its request line is parsed (or an error answer starts)
+    # until the answer is out; stop() ends idle connections at once and lets busy ones finish, so
+    # that no client ever gets half an answer.
+    def handle_one_request(self):
+        try:
+            super().handle_one_request()
+        finally:
+            if self.server.mark_connection(self.connection, busy=False):
+                self.close_connection = True
+
+    def parse_request(self):
+        closing = self.server.mark_connection(self.connection, busy=True)
+        ok = super().parse_request()
+        if closing:
+            self.close_connection = True
+        return ok
+
     def send_error(self, code, message=None, explain=None):
         # The base class answers with an HTML page; clients of this API read JSON only. An unknown
         # method (501) and a bad HTTP version (505) are the client's fault, so they become 4xx.
@@ -60,6 +78,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(code, {"error": reason})
 
     def _send(self, code: int, payload: dict) -> None:
+        self.server.mark_connection(self.connection, busy=True)
         # logged before the answer leaves, so that a client that has its answer also sees the entry
         self.server.log_request_done(str(self.command), getattr(self, "path", ""), code)
         body = json.dumps(payload, separators=(",", ":")).encode()
@@ -145,7 +164,7 @@ class ToolHTTPServer(ThreadingHTTPServer):
         self.lock = threading.Lock()
         self.request_log: collections.deque = collections.deque(maxlen=1000)
         self._closing = False
-        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._conns: dict[socket.socket, list] = {}  # socket -> [thread, busy]
         self._conns_lock = threading.Lock()
         self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
                                         name="sinkflex-tools-server")
@@ -163,8 +182,16 @@ class ToolHTTPServer(ThreadingHTTPServer):
             if self._closing:
                 self.shutdown_request(request)
                 return
-            self._conns[request] = thread
+            self._conns[request] = [thread, False]
         thread.start()
+
+    def mark_connection(self, sock: socket.socket, busy: bool) -> bool:
+        """Record whether ``sock`` is in the middle of a request; return whether the server is closing."""
+        with self._conns_lock:
+            entry = self._conns.get(sock)
+            if entry is not None:
+                entry[1] = busy
+            return self._closing
 
     def _serve_connection(self, request, client_address) -> None:
         try:
@@ -200,15 +227,25 @@ class ToolHTTPServer(ThreadingHTTPServer):
             self.shutdown()  # serve_forever returns (it cannot wait for itself)
         self.server_close()
         with self._conns_lock:
-            conns = list(self._conns.items())
-        for sock, _ in conns:  # a keep-alive handler waiting for its next request reads end-of-file
+            threads = [thread for thread, _ in self._conns.values()]
+            idle = [sock for sock, (_, busy) in self._conns.items() if not busy]
+            for sock in idle:  # a keep-alive handler waiting for its next request reads end-of-file
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + JOIN_SECONDS
+        for thread in threads:  # busy ones finish their answer, then see the server closing
+            if thread is not me:
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        with self._conns_lock:  # a client still trickling its request in after that is cut off
+            late = [(sock, thread) for sock, (thread, _) in self._conns.items() if thread is not me]
+        for sock, thread in late:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        for _, thread in conns:
-            if thread is not me:
-                thread.join(timeout=JOIN_SECONDS)
+            thread.join(timeout=1.0)
         if me is not self._thread:
             self._thread.join(timeout=JOIN_SECONDS)
 
