@@ -205,3 +205,26 @@ def test_tool_calls_really_go_over_http():
                                                   ("POST", "/tools/think", 200)], log
     finally:
         env.close()
+
+
+def test_the_server_machinery_serves_any_backend():
+    """HTTPServedBackend is not tied to the retail store: the bank served over HTTP answers its own
+    tools through the server, and refuses the store's tools before any request."""
+    from sinkflex_core.envs.bank import BankBackend
+    from sinkflex_core.envs.http_server import HTTPServedBackend
+
+    class BankOverHTTP(HTTPServedBackend, BankBackend):
+        pass
+
+    before = {t.ident for t in threading.enumerate()}
+    backend = BankOverHTTP(0)
+    try:
+        backend.reset("train", 0)
+        out = backend.call_tool("run_sql", {"query": "SELECT 40 + 2"})
+        assert json.loads(out.output)["rows"] == [[42]]
+        assert backend.call_tool("think", {"thought": "x"}).output == "Error: unknown tool 'think'"
+        assert backend.call_tool("run_sql", {"query": 5}).output == "Error: argument 'query' must be a string"
+        assert list(backend.server.request_log) == [("POST", "/tools/run_sql", 200), ("POST", "/tools/run_sql", 422)]
+    finally:
+        backend.close()
+    assert [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()] == []

@@ -42,7 +42,7 @@ def test_an_integer_too_long_to_read_is_an_observation(env):
     ]
     for text in texts:
         obs, reward, terminated, truncated, info = env.step(text)
-        assert obs.startswith("Error") and "cannot be read" in obs and "4300 digits" in obs, obs[:300]
+        assert obs.startswith("Error") and "cannot be read" in obs and "digits" in obs, obs[:300]
         assert info["obs_role"] == "tool"
     # a bare JSON object with such a number is no tool call: it goes to the customer as text
     obs, *_ , info = env.step('{"name": "' + tool + '", "arguments": {"x": ' + HUGE_INT + '}}')
