@@ -137,8 +137,10 @@ def test_one_long_sqlite_call_is_refused(bank):
     obs = _sql(bank, "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c WHERE x<100000) "
                      "SELECT count(printf('%.*c', 1000000000 + x, 'x')) FROM c")
     assert obs.startswith("Error") and "printf" in obs, obs
-    obs = _sql(bank, "SELECT format('%.*c', 1000000000, 'x')")
-    assert obs.startswith("Error") and "printf" in obs, obs
+    for query in ("SELECT format('%.*c', 1000000000, 'x')", "SELECT printf('%.*c', '1000000000 copies', 'x')",
+                  "SELECT printf('%.*c', 1e999, 'x')", "SELECT printf('%1000000000c', 'x')"):
+        obs = _sql(bank, query)
+        assert obs.startswith("Error") and "printf" in obs, (query, obs)
     # within the limits printf and format still work as SQLite's
     assert json.loads(_sql(bank, "SELECT printf('%5.2f|%-3d|%.*c', 3.14159, 7, 3, 'z'), format('%s!', 'a')"))[
         "rows"] == [[" 3.14|7  |zzz", "a!"]]
@@ -149,6 +151,10 @@ def test_printf_widths():
     assert printf_widths("%*.*s|%%|%05d", (-20, 3, "abc", 7)) == [20, 3, 5]
     assert printf_widths("%123456789012c", ()) == [123456789012]
     assert printf_widths("%.*c", ("12", "x")) == [12]
+    # what SQLite reads as a number from text, blobs and infinity counts too
+    assert printf_widths("%.*c|%*d|%.*c", ("1000000000abc", "x", b" 77", 1, float("inf"), "x")) == [
+        1000000000, 77, 2**63 - 1]
+    assert printf_widths("%.*c", ("abc", "x")) == [0]
 
 
 def test_runaway_queries_stop_and_say_which_limit(bank):

@@ -242,13 +242,26 @@ def _row_bytes(row: tuple) -> int:
 _PRINTF_SPEC = re.compile(r"%([-+ 0#!,]*)(\*|\d+)?(?:\.(\*|\d*))?(l{0,2})(.?)", re.S)
 
 
+_NUMERIC_PREFIX = re.compile(r"\s*[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+
+
 def _as_int(value) -> int:
-    """The integer SQLite would read from a printf argument (0 for what is no number)."""
+    """At least the integer SQLite reads from a printf argument: the number a text or blob starts with
+    ("1000000000abc" counts), infinity as a huge number, 0 for what holds no number."""
     if isinstance(value, int):
         return value
+    if isinstance(value, bytes):
+        value = value.decode("latin-1")
+    if isinstance(value, str):
+        m = _NUMERIC_PREFIX.match(value)
+        if m is None:
+            return 0
+        value = float(m.group())
     try:
-        return int(float(value))
-    except (TypeError, ValueError, OverflowError):
+        return int(value)
+    except OverflowError:  # infinity: SQLite reads the largest integer
+        return 2**63 - 1
+    except (TypeError, ValueError):  # NaN, None
         return 0
 
 
