@@ -23,7 +23,7 @@ from urllib.parse import unquote
 
 from .base import ToolResult
 from .retail import RetailBackend
-from .retail_tools import TOOL_NAMES, TOOL_SCHEMAS, ToolError, check_arguments
+from .retail_tools import TOOL_SCHEMAS, ToolError, check_arguments
 
 MAX_BODY = 64 * 1024
 
@@ -53,7 +53,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         if self.path == "/tools":
-            self._send(200, {"tools": TOOL_SCHEMAS})
+            self._send(200, {"tools": self.server.tool_schemas})
         elif self.path == "/health":
             self._send(200, {"ok": True})
         else:
@@ -87,9 +87,9 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(400, {"error": "body must be {\"arguments\": {...}}"})
         arguments = body.get("arguments", {})
         try:
-            check_arguments(name, arguments)
+            self.server.check_arguments(name, arguments)
         except ToolError as err:
-            return self._send(422 if name in TOOL_NAMES else 404, {"error": str(err)})
+            return self._send(422 if name in self.server.tool_names else 404, {"error": str(err)})
         result = self.server.call_tool(name, arguments)
         self._send(200, {"output": result.output, "done": result.done})
 
@@ -100,13 +100,17 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class ToolHTTPServer(ThreadingHTTPServer):
-    """Serves ``call_tool`` (set per episode) on 127.0.0.1, one request at a time per database."""
+    """Serves ``call_tool`` (set per episode) on 127.0.0.1, one request at a time per database.
+
+    ``tool_schemas`` and ``check_arguments`` describe the world's tools (the retail store's by default)."""
 
     daemon_threads = True
 
-    def __init__(self, call_tool):
+    def __init__(self, call_tool, tool_schemas: list[dict] = TOOL_SCHEMAS, check_arguments=check_arguments):
         super().__init__(("127.0.0.1", 0), _Handler)
         self._call = call_tool
+        self.tool_schemas, self.check_arguments = tool_schemas, check_arguments
+        self.tool_names = {t["function"]["name"] for t in tool_schemas}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()
