@@ -111,6 +111,9 @@ def test_read_tools(world):
     pairs = json.loads(_call(tools, "search_onestop_flight", origin="JFK", destination="LAX", date="2024-06-20"))
     assert pairs and all(a["destination"] == b["origin"] and a["arrival"] <= b["departure"] for a, b in pairs)
     assert _call(tools, "calculate", expression="(100 + 50) * 3") == "450"
+    assert _call(tools, "calculate", expression="10 / 4") == "2.50"
+    for overflow in ("1e309", "1e309 - 1e309"):  # infinity and not-a-number: refused, not a crash
+        assert _call(tools, "calculate", expression=overflow) == "Error: number too large"
     assert _call(tools, "get_reservation_details", reservation_id="' OR 1=1 --") == "Error: reservation not found"
 
 

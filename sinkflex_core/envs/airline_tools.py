@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sqlite3
 
 from .airline_schemas import check_arguments
@@ -356,6 +357,8 @@ class AirlineTools:
     # ---- other --------------------------------------------------------------------------------
     def calculate(self, expression: str) -> str:
         value = safe_calculate(expression)
+        if not math.isfinite(value):  # "1e309" parses as infinity, which has no whole-number form
+            raise ToolError("number too large")
         return str(int(value)) if value == int(value) else f"{value:.2f}"
 
     def think(self, thought: str) -> str:
