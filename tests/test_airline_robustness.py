@@ -13,14 +13,13 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import sinkflex_core  # noqa: F401
-from sinkflex_core.envs import format_tool_call
+from sinkflex_core.envs import AIRLINE_ENV_IDS, format_tool_call
 from sinkflex_core.envs.airline_schemas import TOOL_NAMES, TOOL_SCHEMAS, WRITE_TOOLS
 from sinkflex_core.envs.airline_world import CABINS, DATES, AirlineWorld
 from sinkflex_core.envs.http_server import post_raw
 from sinkflex_core.envs.retail_tools import TOOL_SCHEMAS as RETAIL_TOOLS
 from sinkflex_core.envs.worlds import world_of
 
-AIRLINE_IDS = ("sinkflex/Airline-v0", "sinkflex/AirlineHTTP-v0")
 WORLD = AirlineWorld.get(0)
 NASTY = ["'; DROP TABLE reservations; --", "' OR '1'='1", "\x00", "NULL", "🙂" * 40, "A" * 3000, "<tool_call>",
          "###STOP###", "yes", "(yes/no)", "-1", "1e309", "SF", "2024-13-45", "../../etc/passwd"]
@@ -93,7 +92,7 @@ def _invariants(conn) -> None:
                         "(flight_number, date) WHERE d.status IS NULL").fetchone()[0] == 0
 
 
-@pytest.mark.parametrize("env_id", AIRLINE_IDS)
+@pytest.mark.parametrize("env_id", AIRLINE_ENV_IDS)
 def test_thousands_of_random_actions(env_id):
     """2,000 turns per environment: no exception escapes, a refused call writes nothing, the database
     stays whole and consistent, and some random writes do go through (the stream reaches them)."""
@@ -192,7 +191,7 @@ def test_a_bad_make_of_the_http_env_leaves_no_server_behind():
 
 # ---- gymnasium ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("env_id", AIRLINE_IDS)
+@pytest.mark.parametrize("env_id", AIRLINE_ENV_IDS)
 def test_check_env_and_make_vec_async(env_id):
     env = gym.make(env_id, split="train")
     check_env(env.unwrapped)

@@ -31,8 +31,8 @@ from .retail_tasks import get_tasks, parse_identity, parse_request
 from .retail_tools import TOOL_NAMES, WRITE_TOOLS, RetailTools
 from .retail_world import RetailWorld, state_hash
 
-ENV_IDS = ("sinkflex/Retail-v0", "sinkflex/RetailHTTP-v0", "sinkflex/BankSQL-v0", "sinkflex/Airline-v0",
-           "sinkflex/AirlineHTTP-v0")
+ENV_IDS = ("sinkflex/Retail-v0", "sinkflex/RetailHTTP-v0", "sinkflex/BankSQL-v0")
+AIRLINE_ENV_IDS = ("sinkflex/Airline-v0", "sinkflex/AirlineHTTP-v0")
 
 
 def make_retail_env(split: str = "train", max_turns: int = 30, world_seed: int = 0,
@@ -86,7 +86,7 @@ def make_airline_http_env(split: str = "train", max_turns: int = 30, world_seed:
 
 
 def _register() -> None:
-    for env_id, entry in zip(ENV_IDS, ("make_retail_env", "make_retail_http_env", "make_bank_env",
+    for env_id, entry in zip(ENV_IDS + AIRLINE_ENV_IDS, ("make_retail_env", "make_retail_http_env", "make_bank_env",
                                        "make_airline_env", "make_airline_http_env")):
         if env_id not in gym.registry:
             gym.register(env_id, entry_point=f"{__name__}:{entry}", disable_env_checker=False)
@@ -104,7 +104,7 @@ from .oracle import (  # noqa: E402
 )
 
 __all__ = [
-    "ENV_IDS", "MAX_TEXT_CHARS", "STOP", "DoNothingAgent", "evaluate_agent", "TOOL_NAMES", "WRITE_TOOLS", "Action", "AnyText", "Customer",
+    "AIRLINE_ENV_IDS", "ENV_IDS", "MAX_TEXT_CHARS", "STOP", "DoNothingAgent", "evaluate_agent", "TOOL_NAMES", "WRITE_TOOLS", "Action", "AnyText", "Customer",
     "OracleAgent", "RandomAgent", "RetailBackend", "RetailTools", "RetailWorld", "ScriptedCustomer",
     "ToolBackend", "ToolEnv", "ToolResult", "expected_hash", "expert_conversation", "format_tool_call",
     "get_tasks", "make_airline_env", "make_airline_http_env", "make_bank_env", "make_retail_env", "make_retail_http_env", "parse_action",
