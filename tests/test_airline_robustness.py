@@ -239,3 +239,30 @@ def test_oracle_rollouts_through_the_generation_interface():
     idle = train.success_counts(AgentBackend(tokenizer, DoNothingAgent), tokenizer, "test", tasks, samples=1,
                                  tasks_per_call=3, progress=False, env_id="sinkflex/Airline-v0")
     assert idle == [0, 0, 0]
+
+
+def test_pass_at_k_script_takes_the_env_id(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    import pandas as pd
+
+    from sinkflex_core.models import build_model, get_tokenizer, tiny_qwen2_config
+
+    spec = importlib.util.spec_from_file_location(
+        "pass_at_k_script", Path(__file__).resolve().parents[1] / "benchmarks" / "pass_at_k.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    tokenizer = get_tokenizer()
+    policy = tmp_path / "policy"
+    build_model(tiny_qwen2_config(len(tokenizer), hidden_size=32, num_layers=1, tokenizer=tokenizer)).save_pretrained(
+        policy)
+    tokenizer.save_pretrained(policy)
+    out = tmp_path / "counts.csv"
+    assert script.main(["--policy", str(policy), "--env-id", "sinkflex/Airline-v0", "--tasks", "2", "--samples", "1",
+                        "--out", str(out), "--no-progress"]) == 0
+    table = pd.read_csv(out)
+    tasks = world_of("sinkflex/Airline-v0").get_tasks("test")
+    assert list(table["kind"]) == ["+".join(sorted({a["name"] for a in t["actions"]})) or "read only"
+                                   for t in tasks[:2]]
+    assert set(table["reward_version"]) == {1} and "2 test tasks x 1 episodes" in capsys.readouterr().out
