@@ -1,4 +1,4 @@
-"""Per-world helpers looked up by environment id, so that training, SFT and evaluation code can
+"""What each world provides, looked up by environment id, so that training, SFT and evaluation code can
 take an env id and find that world's tasks and reward version without naming the world.
 
     >>> world_of("sinkflex/AirlineHTTP-v0").name
