@@ -48,7 +48,7 @@ class AirlineTools:
             return ToolResult(f"Error: {err}")
         return ToolResult(output, done=(name == "transfer_to_human_agents"))
 
-    # ---- lookups shared by the tools ------------------------------------------------------------------------------
+    # ---- lookups shared by the tools --------------------------------------------------------
     def _one(self, sql: str, args: tuple, missing: str) -> tuple:
         row = self.conn.execute(sql, args).fetchone()
         if row is None:
