@@ -210,6 +210,10 @@ class OracleAgent:
             from .bank import BankOracle
 
             self._impl = BankOracle()
+        elif "search_direct_flight" in names:
+            from .airline_oracle import AirlineOracle
+
+            self._impl = AirlineOracle()
         else:
             self._impl = RetailOracle()
         self._impl.reset(observation, info)
