@@ -176,20 +176,20 @@ def make_task(seed: int) -> dict:
     bug = next(f for f in funcs if f["buggy"])
     t = TEMPLATES[bug["template"]]
     cases: list[tuple[str, tuple]] = []
-    for f in funcs:  # hidden: 8 cases of the buggy function, at least 3 exposing the bug; 2 of each other
+    for f in funcs:  # hidden: 8 cases of the buggy function (as few as possible passing on the bug), 2 of each other
         tf, seen = TEMPLATES[f["template"]], set()
         want = 8 if f["buggy"] else 2
-        exposing, tries = 0, 0
+        quiet, tries = 0, 0
         while sum(c[0] == f["name"] for c in cases) < want and tries < 400:
             tries += 1
             args = tf.args(rng, f["k"])
             if repr(args) in seen:
                 continue
             differs = _run(good, f["name"], args) != _run(bad, f["name"], args)
-            if f["buggy"] and not differs and exposing < 3 and sum(c[0] == f["name"] for c in cases) >= 5:
-                continue
+            if f["buggy"] and not differs and quiet >= 1 and tries < 300:
+                continue  # most cases of the buggy function should show the bug
             seen.add(repr(args))
-            exposing += differs
+            quiet += not differs
             cases.append((f["name"], args))
     hidden = [{"function": n, "args": list(a), "expected": _run(good, n, a)} for n, a in cases]
     assert not any(isinstance(c["expected"], str) and c["expected"].startswith("raised ") for c in hidden)

@@ -211,8 +211,8 @@ class Sandbox:
                     os.chown(os.path.join(dirpath, name), self.uid, self.uid, follow_symlinks=False)
 
     def clear(self) -> None:
-        """Empty the sandbox folder (files the jailed user made included)."""
-        shutil.rmtree(self.dir, ignore_errors=True)
+        """Empty the sandbox folder (files the jailed user made included, whatever their modes)."""
+        _remove(self.dir)
         self.dir.mkdir()
         self._own(self.dir)
 
@@ -312,12 +312,34 @@ class Sandbox:
             proc.wait()
 
     def close(self) -> None:
-        shutil.rmtree(self.base, ignore_errors=True)
+        _remove(self.base, missing_ok=True)
 
     def __del__(self):
         base = getattr(self, "base", None)
         if base is not None:
             shutil.rmtree(base, ignore_errors=True)
+
+
+def _remove(path: Path, missing_ok: bool = False) -> None:
+    """``rm -rf``, even of folders a command made unreadable (``chmod 000``): a non-root caller needs
+    the owner's permissions back first."""
+    shutil.rmtree(path, ignore_errors=True)
+    if not os.path.lexists(path):
+        return
+    for dirpath, dirnames, _ in os.walk(path):
+        for name in [dirpath] + [os.path.join(dirpath, d) for d in dirnames]:
+            try:
+                if not os.path.islink(name):
+                    os.chmod(name, 0o700)
+            except OSError:
+                pass
+    try:
+        os.chmod(path, 0o700)
+    except OSError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+    if os.path.lexists(path) and not missing_ok:
+        raise RuntimeError(f"cannot empty the sandbox folder {path}")
 
 
 def tree_usage(root: Path, max_entries: int = 100_000) -> tuple[int, int]:
