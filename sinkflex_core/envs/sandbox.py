@@ -42,6 +42,7 @@ exceeds their quota.
 from __future__ import annotations
 
 import os
+import resource  # here, not in _preexec: the child may no longer be allowed to read the module
 import select
 import shutil
 import signal
@@ -235,12 +236,12 @@ class Sandbox:
         return argv, env
 
     def _preexec(self):  # fallback only: the jail sets its limits with prlimit inside the namespaces
-        import resource
-
         lim = self.limits
         for res, value in ((resource.RLIMIT_CPU, lim.cpu_s), (resource.RLIMIT_AS, lim.memory_mb << 20),
                            (resource.RLIMIT_NPROC, lim.processes), (resource.RLIMIT_FSIZE, lim.file_mb << 20),
                            (resource.RLIMIT_NOFILE, lim.open_files), (resource.RLIMIT_CORE, 0)):
+            hard = resource.getrlimit(res)[1]  # this runs after the switch of user id: only lowering works
+            value = value if hard == resource.RLIM_INFINITY else min(value, hard)
             resource.setrlimit(res, (value, value))
 
     def run(self, command: str, wall_s: float | None = None) -> RunResult:
@@ -284,7 +285,7 @@ class Sandbox:
             self._kill(proc)
             proc.stdout.close()
         code = proc.returncode
-        if code in (-signal.SIGXCPU, 128 + signal.SIGXCPU) or (code == -signal.SIGKILL and not hit
+        if code in (-signal.SIGXCPU, 128 + signal.SIGXCPU) or b"CPU time limit exceeded" in kept or (code == -signal.SIGKILL and not hit
                                                                and time.monotonic() - start < wall):
             hit.append(f"CPU time limit of {lim.cpu_s} s")
         if code in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ) or b"File too large" in kept \
@@ -326,17 +327,18 @@ def _remove(path: Path, missing_ok: bool = False) -> None:
     shutil.rmtree(path, ignore_errors=True)
     if not os.path.lexists(path):
         return
-    for dirpath, dirnames, _ in os.walk(path):
-        for name in [dirpath] + [os.path.join(dirpath, d) for d in dirnames]:
-            try:
-                if not os.path.islink(name):
-                    os.chmod(name, 0o700)
-            except OSError:
-                pass
     try:
         os.chmod(path, 0o700)
     except OSError:
         pass
+    for dirpath, dirnames, _ in os.walk(path):  # top-down: each folder is opened up before it is listed
+        for name in dirnames:
+            sub = os.path.join(dirpath, name)
+            try:
+                if not os.path.islink(sub):  # never through a link: it could point at a host folder
+                    os.chmod(sub, 0o700)
+            except OSError:
+                pass
     shutil.rmtree(path, ignore_errors=True)
     if os.path.lexists(path) and not missing_ok:
         raise RuntimeError(f"cannot empty the sandbox folder {path}")
