@@ -5,12 +5,13 @@ Two modes, chosen once per process by a probe (:func:`jail_available`):
 
 **Namespaces** (Linux with unprivileged user namespaces and util-linux ``unshare``; the default).
 Each command starts ``unshare --user --map-root-user --net --mount --pid --fork`` and, inside, builds a
-new root on a private tmpfs: ``/usr`` (and the ``/bin``, ``/lib`` ... links or folders beside it)
-bound read-only, the episode's folder bound read-write at ``/sandbox``, a fresh size-capped ``/tmp``,
-``/etc/alternatives`` (read-only, where it exists),
+new root from a skeleton folder private to the :class:`Sandbox`: ``/usr`` (and the ``/bin``, ``/lib``
+... links or folders beside it) bound read-only, the episode's folder bound read-write at
+``/sandbox``, a fresh size-capped ``/tmp``, ``/etc/alternatives`` read-only (where it exists),
 ``/dev/null``, ``/dev/zero``, ``/dev/urandom``, a fresh ``/proc`` of the new PID namespace and a
-two-line ``/etc/passwd`` and ``/etc/group``. It then ``pivot_root``\\ s into it, unmounts the old root, remounts the new root
-read-only and drops every capability (``setpriv``) before running ``bash -c``. What holds:
+two-line ``/etc/passwd`` and ``/etc/group``. It then ``pivot_root``\\ s into it, unmounts the old
+root, remounts the new root read-only and drops every capability (``setpriv``) before running
+``bash -c``. What holds:
 
 - nothing outside the sandbox folder is readable or writable: the host's file system is not mounted
   in the command's namespace at all (``..``, absolute paths and symlinks resolve inside the new root);
@@ -60,39 +61,52 @@ _HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # account uses, so that two sandboxes rarely share the outer process count.
 _UID_BASE, _UID_SPAN = 1_500_000, 400_000
 
-# The init of the jail (POSIX sh, run by unshare inside the new namespaces). $1 new root (an empty
-# folder), $2 the sandbox folder, $3 the user's command; LIMITS is the prlimit option list.
+# The init of the jail (POSIX sh, run by unshare inside the new namespaces). $1 the new root (a
+# skeleton the Sandbox made: mount points, links, /etc/passwd), $2 the sandbox folder, $3 the user's
+# command; PRLIMITS is the prlimit option list. Each line is one exec at most: this is the fixed cost
+# of every command.
 _INIT = r"""set -e
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
-R=$1; S=$2
-mount -t tmpfs -o size=1m,mode=0755 sinkflex-root "$R"
+R=$1
+mount --bind "$R" "$R"
 cd "$R"
-mkdir usr sandbox tmp dev proc etc .old
-for d in bin sbin lib lib32 lib64 libx32; do
-  if [ -L "/$d" ]; then ln -s "$(readlink "/$d")" "$d"
-  elif [ -d "/$d" ]; then mkdir "$d"; mount --bind "/$d" "$d"; mount -o remount,bind,ro "$d"; fi
-done
-mount --bind /usr usr
-mount -o remount,bind,ro usr
-mount --bind "$S" sandbox
+for d in usr $REAL_DIRS; do mount -o bind,ro "/$d" "$d"; done
+if [ -d etc/alternatives ]; then mount -o bind,ro /etc/alternatives etc/alternatives; fi
+mount --bind "$2" sandbox
 mount -t tmpfs -o "size=${TMP_BYTES},mode=1777" sinkflex-tmp tmp
-for f in null zero urandom; do touch "dev/$f"; mount --bind "/dev/$f" "dev/$f"; done
-ln -s /proc/self/fd dev/fd
+for f in null zero urandom; do mount --bind "/dev/$f" "dev/$f"; done
 mount -t proc proc proc
-if [ -d /etc/alternatives ]; then  # Debian's program links (awk -> mawk ...)
-  mkdir etc/alternatives; mount --bind /etc/alternatives etc/alternatives; mount -o remount,bind,ro etc/alternatives
-fi
-echo 'root:x:0:0:root:/sandbox:/bin/sh' > etc/passwd
-echo 'root:x:0:' > etc/group
 pivot_root . .old
 umount -l /.old
-rmdir /.old
 mount -o remount,bind,ro /
 cd /sandbox
 PATH=$CMD_PATH; L=$PRLIMITS
-unset TMP_BYTES CMD_PATH PRLIMITS
+unset TMP_BYTES CMD_PATH PRLIMITS REAL_DIRS
 exec prlimit $L -- setpriv --bounding-set=-all --inh-caps=-all --no-new-privs -- /bin/bash -c "$3"
 """
+_TOP_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+
+
+def _skeleton(root: Path) -> list[str]:
+    """Make the jail's root folder; return the top-level folders (not links) to bind besides /usr."""
+    for name in ("usr", "sandbox", "tmp", "dev", "proc", "etc", ".old"):
+        (root / name).mkdir()
+    real = []
+    for name in _TOP_DIRS:
+        host = Path("/") / name
+        if host.is_symlink():
+            (root / name).symlink_to(os.readlink(host))
+        elif host.is_dir():
+            (root / name).mkdir()
+            real.append(name)
+    if Path("/etc/alternatives").is_dir():  # Debian's program links (awk -> mawk ...)
+        (root / "etc/alternatives").mkdir()
+    for dev in ("null", "zero", "urandom"):
+        (root / "dev" / dev).touch()
+    (root / "dev/fd").symlink_to("/proc/self/fd")
+    (root / "etc/passwd").write_text("root:x:0:0:root:/sandbox:/bin/sh\n")
+    (root / "etc/group").write_text("root:x:0:\n")
+    return real
 
 
 @dataclass(frozen=True)
@@ -197,9 +211,12 @@ class Sandbox:
         self.base = Path(tempfile.mkdtemp(prefix="sinkflex-sandbox-"))
         self.root = self.base / "root"
         self.root.mkdir()
+        self._real_dirs = _skeleton(self.root) if self.jailed else []
         self.dir = self.base / "work"
         self.dir.mkdir()
-        self._own(self.base)
+        if self.uid is not None:  # the skeleton stays root's: even a writable mount of it would refuse writes
+            os.chown(self.base, self.uid, self.uid)
+        self._own(self.dir)
 
     def _own(self, path: Path) -> None:
         """Hand ``path`` (recursively) to the command's user id, so the jailed root may change it."""
@@ -226,7 +243,7 @@ class Sandbox:
         if self.jailed:
             env = {"PATH": _HOST_PATH, "HOME": MOUNT_POINT, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
                    "TMP_BYTES": str(lim.tmp_mb << 20), "CMD_PATH": _CMD_PATH,
-                   "PRLIMITS": " ".join(lim.prlimit_args())}
+                   "PRLIMITS": " ".join(lim.prlimit_args()), "REAL_DIRS": " ".join(self._real_dirs)}
             argv = ["unshare", "--user", "--map-root-user", "--net", "--mount", "--pid", "--fork", "--kill-child",
                     "--propagation", "private", "/bin/sh", "-c", _INIT, "sinkflex-init", str(self.root),
                     str(self.dir), command]
