@@ -6,9 +6,9 @@ links followed, sizes capped; done by this process with ``O_NOFOLLOW``), list th
 tests (``python3 test_<module>.py`` in the jail of :mod:`.sandbox`, with its limits) and submit.
 
 Reward (the verifier): the share of hidden cases passing. The module as the agent left it is copied
-into a second, fresh sandbox with a runner that calls each case's function (one second of alarm per
-case) and prints each output as JSON; outputs are compared here, outside the jail, with the expected
-values, which never enter it. A module that prints forged results gains nothing: it would have to
+into a second, fresh sandbox with a runner that imports it (two seconds of alarm) and calls each
+case's function (one second each) and prints each output as JSON; outputs are compared here, outside
+the jail, with the expected values, which never enter it. A module that prints forged results gains nothing: it would have to
 know the expected outputs, i.e. compute them.
 """
 
@@ -69,8 +69,10 @@ CASES = json.loads(sys.argv[1])
 def alarm(*_):
     raise TimeoutError("case took too long")
 signal.signal(signal.SIGALRM, alarm)
+signal.alarm(2)
 try:
     import {module} as m
+    signal.alarm(0)
 except BaseException as err:
     out.write("@@import " + json.dumps(type(err).__name__) + "\n"); out.flush(); raise SystemExit(0)
 for i, (name, args) in enumerate(CASES):
