@@ -83,17 +83,22 @@ class HFJudge:
         self.no_ids = tokenizer.encode(no, add_special_tokens=False)
         if not self.yes_ids or not self.no_ids or self.yes_ids == self.no_ids:
             raise ValueError(f"the yes/no answers {yes!r}/{no!r} must tokenize to different, non-empty ids")
+        self.question_ids = tokenizer.encode(question, add_special_tokens=False)
+        room = max_tokens - len(self.question_ids) - max(len(self.yes_ids), len(self.no_ids))
+        if room < 16:
+            raise ValueError(f"max_tokens={max_tokens} leaves {room} tokens of transcript beside the question "
+                             f"({len(self.question_ids)} tokens) and the answer; allow at least 16")
         self.max_tokens = max_tokens
+        self._room = room
 
     @staticmethod
     def render(messages: list[dict]) -> str:
         return "".join(f"[{m['role']}] {m['content']}\n" for m in messages)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The transcript's last tokens (as many as fit ``max_tokens``) followed by the question."""
         body = self.tokenizer.encode(self.render(messages), add_special_tokens=False)
-        tail = self.tokenizer.encode(self.question, add_special_tokens=False)
-        keep = max(0, self.max_tokens - len(tail) - max(len(self.yes_ids), len(self.no_ids)))
-        return body[len(body) - keep:] + tail if keep else tail
+        return body[-self._room:] + self.question_ids
 
     def continuation_logprob(self, prompt: list[int], continuation: list[int]) -> float:
         """log P(continuation | prompt) under the model (sum over its tokens)."""
