@@ -56,6 +56,7 @@ from pathlib import Path
 
 MOUNT_POINT = "/sandbox"
 _CMD_PATH = "/usr/local/bin:/usr/bin:/bin"
+_UNSHARE_NOISE = "unshare: sigprocmask unblock failed: Invalid argument"
 _HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # The unprivileged ids a root caller runs commands as; one per Sandbox, drawn from a range no real
 # account uses, so that two sandboxes rarely share the outer process count.
@@ -64,7 +65,8 @@ _UID_BASE, _UID_SPAN = 1_500_000, 400_000
 # The init of the jail (POSIX sh, run by unshare inside the new namespaces). $1 the new root (a
 # skeleton the Sandbox made: mount points, links, /etc/passwd), $2 the sandbox folder, $3 the user's
 # command; PRLIMITS is the prlimit option list. Each line is one exec at most: this is the fixed cost
-# of every command.
+# of every command. The command runs under eval so that bash stays the namespace's first process
+# (bash -c would exec a lone command in its place, and a first process ignores SIGXCPU).
 _INIT = r"""set -e
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
 R=$1
@@ -82,7 +84,8 @@ mount -o remount,bind,ro /
 cd /sandbox
 PATH=$CMD_PATH; L=$PRLIMITS
 unset TMP_BYTES CMD_PATH PRLIMITS REAL_DIRS
-exec prlimit $L -- setpriv --bounding-set=-all --inh-caps=-all --no-new-privs -- /bin/bash -c "$3"
+exec prlimit $L -- setpriv --bounding-set=-all --inh-caps=-all --no-new-privs -- /bin/bash -c 'c=$1; set --; eval "unset c
+$c"' bash "$3"
 """
 _TOP_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 
@@ -131,8 +134,9 @@ class Limits:
 
 @dataclass
 class RunResult:
-    """What one command did: exit status (negative: killed by that signal), output (stdout and
-    stderr interleaved, cut to the cap), which limits it hit, and its wall time in seconds."""
+    """What one command did: exit status (negative: killed by that signal; after a kill by a
+    limit, the status ``unshare`` reports), output (stdout and stderr interleaved, cut to the cap),
+    which limits it hit (the reliable record of a kill), and its wall time in seconds."""
 
     returncode: int
     output: str
@@ -302,13 +306,16 @@ class Sandbox:
             self._kill(proc)
             proc.stdout.close()
         code = proc.returncode
-        if code in (-signal.SIGXCPU, 128 + signal.SIGXCPU) or b"CPU time limit exceeded" in kept or (code == -signal.SIGKILL and not hit
-                                                               and time.monotonic() - start < wall):
+        if code in (-signal.SIGXCPU, 128 + signal.SIGXCPU) or b"CPU time limit exceeded" in kept:
             hit.append(f"CPU time limit of {lim.cpu_s} s")
         if code in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ) or b"File too large" in kept \
                 or b"File size limit exceeded" in kept:
             hit.append(f"file size limit of {lim.file_mb} MiB")
         text = kept.decode("utf-8", errors="replace")
+        if _UNSHARE_NOISE in text:  # unshare cannot re-raise SIGKILL (the CPU hard limit hit the first process)
+            text = text.replace(_UNSHARE_NOISE + "\n", "").replace(_UNSHARE_NOISE, "")
+            if not hit:
+                hit.append(f"CPU time limit of {lim.cpu_s} s")
         if "fork: retry" in text or "fork: Resource temporarily unavailable" in text:
             hit.append(f"process limit of {lim.processes}")
         if code is not None and code < 0 and code != -signal.SIGKILL and not hit:
@@ -318,7 +325,25 @@ class Sandbox:
 
     @staticmethod
     def _kill(proc: subprocess.Popen) -> None:
-        """Kill the process group (in the jail that ends the PID namespace, so every process in it)."""
+        """Kill everything the command started. In the jail, the first process of the PID namespace
+        goes first: the kernel then kills every other process in it and ``unshare``, which waits for
+        that first process, exits only once all are gone; so nothing outlives :meth:`run`. The
+        process group follows (the fallback's only handle, and a backstop)."""
+        if proc.poll() is None:
+            try:
+                with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                    children = [int(c) for c in f.read().split()]
+            except (OSError, ValueError):
+                children = []
+            for child in children:
+                try:
+                    os.kill(child, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
