@@ -186,3 +186,20 @@ def test_a_command_cannot_stop_the_folder_from_being_cleared(box):
     box.run("mkdir -p locked/deeper && touch locked/deeper/f && chmod 000 locked/deeper locked; chmod 555 .")
     box.clear()
     assert list(box.dir.iterdir()) == []
+
+
+def test_environments_refuse_to_run_unjailed_without_consent():
+    from sinkflex_core.envs.base import ToolEnv
+    from sinkflex_core.envs.bash_env import BashBackend, BashExpert
+    from sinkflex_core.envs.code_repair import CodeRepairBackend
+    from sinkflex_core.envs.oracle import run_episode
+
+    for backend in (BashBackend, CodeRepairBackend):
+        with pytest.raises(RuntimeError, match="allow_unjailed=True"):
+            backend(jail=False)
+    env = ToolEnv(BashBackend(jail=False, allow_unjailed=True), split="test")
+    try:
+        assert env.backend.box.mode.startswith("unjailed")
+        assert [run_episode(env, BashExpert(), i)[1] for i in range(3)] == [1.0, 1.0, 1.0]
+    finally:
+        env.close()
