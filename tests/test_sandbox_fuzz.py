@@ -103,7 +103,7 @@ def _uid_alive(uid: int | None) -> bool:
     return False
 
 
-@pytest.mark.parametrize("env_id, n_real", [("sinkflex/Bash-v0", 60), ("sinkflex/CodeRepair-v0", 15)])
+@pytest.mark.parametrize("env_id, n_real", [("sinkflex/Bash-v0", 40), ("sinkflex/CodeRepair-v0", 12)])
 def test_adversarial_actions(env_id, n_real, tmp_path):
     canary = tmp_path / "canary.txt"
     canary.write_text("unchanged\n")
