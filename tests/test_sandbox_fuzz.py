@@ -87,7 +87,7 @@ def real_action(rng: random.Random, env_id: str) -> list[str]:
     if env_id.endswith("Bash-v0"):
         return [format_tool_call("run", {"command": rng.choice(NASTY_COMMANDS)})]
     module = rng.choice(NASTY_MODULES)
-    return [format_tool_call("write_file", {"path": rng.choice(["test_mod.py", "helper.py"]), "content": module}),
+    return [format_tool_call("write_file", {"path": rng.choice(["test_mod.py", "extra.py"]), "content": module}),
             format_tool_call(rng.choice(["run_tests", "submit"]), {})]
 
 

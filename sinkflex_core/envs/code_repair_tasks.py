@@ -16,7 +16,7 @@ from functools import lru_cache
 
 N_TRAIN, N_TEST = 400, 100
 _TEST_SEED0 = 1_000_000
-MODULES = ["mathutils", "helpers", "textkit", "listops", "numtools", "misc", "core", "stats", "strutil", "algos"]
+MODULES = ["mathutils", "utils", "textkit", "listops", "numtools", "misc", "core", "stats", "strutil", "algos"]
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ def make_task(seed: int) -> dict:
     rng.shuffle(funcs)
     good_src = "\n\n".join(_function(TEMPLATES[f["template"]], f["name"], f["k"], False) for f in funcs)
     bad_src = "\n\n".join(_function(TEMPLATES[f["template"]], f["name"], f["k"], f["buggy"]) for f in funcs)
-    header = f'"""Small helpers ({module})."""\n\n\n'
+    header = f'"""Small utilities ({module})."""\n\n\n'
     good, bad = _scope(good_src), _scope(bad_src)
     bug = next(f for f in funcs if f["buggy"])
     t = TEMPLATES[bug["template"]]

@@ -28,9 +28,9 @@ When the caller is root, the command runs as an unprivileged user id of its own 
 namespace), because the kernel does not count processes of the real root against ``RLIMIT_NPROC``
 and because an unprivileged id cannot write any host file even through a mount it could reach.
 
-**Fallback** (no working ``unshare``): ``bash -c`` in the sandbox folder, in its own session, with the
-same resource limits, a scrubbed environment (``HOME``, ``TMPDIR`` in the sandbox) and the same
-wall-time kill of its process group. It does NOT hide or protect the rest of the file system, does not
+**Fallback** (no working ``unshare``): ``bash -c`` in the sandbox folder, in a process group of its
+own, with the same resource limits, a scrubbed environment (``HOME``, ``TMPDIR`` in the sandbox) and
+the same wall-time kill of that process group. It does NOT hide or protect the rest of the file system, does not
 cut the network, does not kill processes that leave their process group (``setsid``), and counts the
 process limit against the whole user id (outside root: all of that user's processes). It only runs
 when the caller asks for it (``allow_unjailed=True``); otherwise :class:`Sandbox` raises.
