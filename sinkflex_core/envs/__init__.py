@@ -3,7 +3,9 @@
 Importing this package registers ``sinkflex/Retail-v0`` (a store simulator, state in SQLite),
 ``sinkflex/RetailHTTP-v0`` (the same store, its tools served by an HTTP server on 127.0.0.1),
 ``sinkflex/BankSQL-v0`` (text-to-SQL over a small bank database), ``sinkflex/Airline-v0`` (an airline's
-reservations desk, state in SQLite) and ``sinkflex/AirlineHTTP-v0`` (the airline over HTTP)::
+reservations desk, state in SQLite), ``sinkflex/AirlineHTTP-v0`` (the airline over HTTP), and the
+executing environments ``sinkflex/Bash-v0`` (shell tasks) and ``sinkflex/CodeRepair-v0`` (fix a bug;
+hidden tests), whose commands run in a jail (:mod:`.sandbox`, :mod:`.sandbox_envs`)::
 
     env = gymnasium.make("sinkflex/Retail-v0", split="train")
     obs, info = env.reset(seed=0, options={"task_index": 3})
@@ -93,6 +95,17 @@ def _register() -> None:
 
 
 _register()
+
+SANDBOX_ENV_IDS = ("sinkflex/Bash-v0", "sinkflex/CodeRepair-v0")
+
+
+def _register_sandbox() -> None:
+    for env_id, entry in zip(SANDBOX_ENV_IDS, ("make_bash_env", "make_code_repair_env")):
+        if env_id not in gym.registry:
+            gym.register(env_id, entry_point=f"{__name__}.sandbox_envs:{entry}", disable_env_checker=False)
+
+
+_register_sandbox()
 
 from .oracle import (  # noqa: E402
     DoNothingAgent,
