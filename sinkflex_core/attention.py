@@ -59,6 +59,7 @@ __all__ = [
     "document_mask",
     "key_padding_mask",
     "sink_window_mask",
+    "document_starts",
     "SinkFlexMask",
     "apply_zero_value_sink",
     "sink_attention",
@@ -165,6 +166,28 @@ def _shift_queries(mask_mod: MaskMod, offset: int) -> MaskMod:
     return shifted
 
 
+def document_starts(valid: Tensor, continues: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """Which tokens start a document: (B, L) bool, from ``valid`` (B, L) bool, True on real tokens.
+
+    The one rule behind every mask here: a real token starts a document when it is the first real token
+    of its row, or when ``continues(prev)`` says it does not continue the document of the previous *real*
+    token of its row (``prev`` (B, L) long: index of that token, 0 where there is none; ``continues``
+    returns (B, L) bool). Padding never starts a document, and a run of padding inside a row (a batch of
+    turns of different lengths, padded to one width) does not cut the row in two: the tokens after it
+    keep their sinks and their prompt.
+    """
+    valid = valid.to(torch.bool)
+    b, n = valid.shape
+    pos = torch.arange(n, device=valid.device).expand(b, n)
+    last_real = torch.where(valid, pos, torch.full_like(pos, -1)).cummax(-1).values
+    prev = torch.full_like(last_real, -1)
+    prev[:, 1:] = last_real[:, :-1]
+    starts = valid & (prev < 0)
+    if continues is not None:
+        starts |= valid & ~starts & ~continues(prev.clamp(min=0)).to(torch.bool)
+    return starts
+
+
 def _boundaries_to_layout(is_start: Tensor) -> tuple[Tensor, Tensor]:
     """(B, L) bool document starts -> document ids and each position's document start, both (B, L)."""
     is_start = is_start.clone()
@@ -212,8 +235,7 @@ class SinkFlexMask:
         valid = segment_ids >= 0
         if attention_mask is not None:
             valid = valid & attention_mask.to(torch.bool)
-        is_start = torch.zeros_like(valid)
-        is_start[:, 1:] = (segment_ids[:, 1:] != segment_ids[:, :-1]) | (valid[:, 1:] & ~valid[:, :-1])
+        is_start = document_starts(valid, lambda prev: segment_ids == segment_ids.gather(1, prev))
         return cls._from_starts(is_start, valid)
 
     @classmethod
@@ -227,8 +249,7 @@ class SinkFlexMask:
             if attention_mask is None
             else attention_mask.to(torch.bool)
         )
-        is_start = torch.zeros_like(valid)
-        is_start[:, 1:] = (position_ids[:, 1:] != position_ids[:, :-1] + 1) | (valid[:, 1:] & ~valid[:, :-1])
+        is_start = document_starts(valid, lambda prev: position_ids == position_ids.gather(1, prev) + 1)
         return cls._from_starts(is_start, valid)
 
     @classmethod
@@ -592,15 +613,22 @@ def sinkflex_mask(
         if valid.shape != (batch_size, kv_length):
             raise ValueError(f"padding mask must be (batch, kv_length)={batch_size, kv_length}, "
                              f"got {tuple(valid.shape)}")
-    is_start = torch.zeros(batch_size, kv_length, dtype=torch.bool, device=device)
-    if kv_length > 1:
-        if mask_function is not None:
-            b = torch.arange(batch_size, device=device)[:, None]
-            p = torch.arange(kv_offset + 1, kv_offset + kv_length, device=device)[None, :]
-            joined = mask_function(b, torch.zeros((), dtype=torch.long, device=device), p, p - 1)
-            is_start[:, 1:] = ~torch.as_tensor(joined, device=device).expand(batch_size, kv_length - 1)
-        if valid is not None:
-            is_start[:, 1:] |= valid[:, 1:] & ~valid[:, :-1]
+    continues = None
+    if mask_function is not None and kv_length > 1:
+        # breaks between adjacent positions, then: a token continues the previous real one when no break
+        # lies between them (a padding run between the two is not a break of its own)
+        b = torch.arange(batch_size, device=device)[:, None]
+        p = torch.arange(kv_offset + 1, kv_offset + kv_length, device=device)[None, :]
+        joined = mask_function(b, torch.zeros((), dtype=torch.long, device=device), p, p - 1)
+        breaks = torch.zeros(batch_size, kv_length, dtype=torch.long, device=device)
+        breaks[:, 1:] = (~torch.as_tensor(joined, device=device)).expand(batch_size, kv_length - 1).long()
+        count = breaks.cumsum(-1)
+
+        def continues(prev):
+            return count == count.gather(1, prev)
+
+    all_real = torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
+    is_start = document_starts(all_real if valid is None else valid, continues)
     packed = bool(is_start[:, 1:].any())
     ids, start = _boundaries_to_layout(is_start) if packed else (None, None)
     if valid is not None and bool(valid.all()):

@@ -508,3 +508,54 @@ def test_gpu_check_script_dry_run_writes_csv_with_provenance(tmp_path):
     assert all(r["status"] == "ok" and float(r["ms"]) > 0 for r in timing)
     for key in ("gpu", "driver", "torch", "transformers", "date", "git_sha"):
         assert timing[0][key]
+
+
+# ------------------------------------------------------------------------------------------ padding
+def test_padding_inside_a_row_does_not_start_a_document():
+    # row 0: left padding; row 1: padding between two runs of one document (turns padded to one width)
+    valid = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 1, 1, 1]], dtype=torch.bool)
+    pos = torch.tensor([[1, 1, 0, 1, 2, 3, 4, 5], [0, 1, 2, 1, 1, 3, 4, 5]])  # generate()'s ids: 1 on padding
+    seg = torch.tensor([[-1, -1, 0, 0, 0, 0, 0, 0], [0, 0, 0, -1, -1, 0, 0, 0]])
+    hf = A.sinkflex_mask(2, 8, 8, attention_mask=valid.long(), mask_function=A.causal_mask)
+    for m in (A.SinkFlexMask.from_position_ids(pos, valid.long()), A.SinkFlexMask.from_segment_ids(seg), hf):
+        dense = m.dense(n_sink=2, window=2)
+        # the last query of row 1 keeps the row's first two tokens (its sinks) across the padding
+        assert dense[1, 7].nonzero().flatten().tolist() == [0, 1, 6, 7]
+        assert dense[0, 7].nonzero().flatten().tolist() == [2, 3, 6, 7]
+    # a real reset after padding still starts a document
+    seg2 = torch.tensor([[0, 0, -1, 1, 1, 1]])
+    pos2 = torch.tensor([[0, 1, 1, 0, 1, 2]])
+    am2 = (seg2 >= 0).long()
+    for m in (A.SinkFlexMask.from_segment_ids(seg2), A.SinkFlexMask.from_position_ids(pos2, am2)):
+        assert m.dense(n_sink=1, window=6)[0, 5].nonzero().flatten().tolist() == [3, 4, 5]
+    # the rule itself: only the first real token of each row starts a document here
+    assert A.document_starts(valid).nonzero().tolist() == [[0, 2], [1, 0]]
+
+
+def padded_model(kind: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config, Qwen2Config
+
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "phi3": Phi3Config}[kind]
+    cfg = cls(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, attn_implementation="sdpa", pad_token_id=0)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "phi3"])
+def test_window_over_everything_equals_sdpa_with_left_and_inner_padding(kind):
+    import copy
+
+    model = padded_model(kind)
+    ids = torch.randint(1, 96, (3, 40))
+    am = torch.ones(3, 40, dtype=torch.long)
+    am[0, :9] = 0  # left padding
+    am[1, 12:20] = 0  # padding inside the row
+    am[2, :3] = 0
+    am[2, 25:31] = 0  # both
+    sf = A.apply(copy.deepcopy(model), n_sink=2, window=40, learn_sinks=False)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=am).logits
+        out = sf(input_ids=ids, attention_mask=am).logits
+    real = am.bool()
+    assert (out - ref)[real].abs().max() < 1e-5
