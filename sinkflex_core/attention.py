@@ -6,7 +6,10 @@ The attention computed here, for query ``i`` and key ``j`` of one row (keys inde
 * ``j`` is visible when ``j <= i`` (causal), ``j`` and ``i`` lie in the same document (packed rows),
   ``j`` is not padding, and either ``j`` is one of the first ``n_sink`` tokens of its document or
   ``i - j < window``. The window therefore holds ``window`` keys **counting the query itself**: keys
-  ``i - window + 1 .. i`` (the same convention as Hugging Face's ``sliding_window``).
+  ``i - window + 1 .. i`` (the same convention as Hugging Face's ``sliding_window``). Padding is not a
+  token: sinks and window count real tokens only, and only the first real token of a row (or a real
+  change of document: a new segment id, a position that does not continue) starts a document, so a
+  row padded in the middle (a batch of turns of different lengths) attends as it would alone.
 * With sink logits ``s`` (one per query head) the softmax gets one extra term ``exp(s)`` that carries no
   value vector. Since ``softmax`` over ``[scores, s]`` with the last column dropped equals the plain
   softmax times ``Z / (Z + e^s)``, the output is ``out * sigmoid(lse - s)`` with ``lse`` the
@@ -32,6 +35,7 @@ Use::
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -93,6 +97,21 @@ DEFAULT_CHUNK = 256
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
+def _check_count(name: str, value, minimum: int) -> int:
+    """``value`` as an int >= ``minimum``. A sink count or a window is a number of tokens: a fractional
+    value (or a bool) is refused rather than rounded, and a whole float such as 4096.0 is accepted."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a whole number of tokens, got {value!r} ({type(value).__name__})")
+    if not isinstance(value, numbers.Integral):
+        if not float(value).is_integer():
+            raise ValueError(f"{name} must be a whole number of tokens, got {value!r}")
+    value = int(value)
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}" + (" (it counts the query itself)" if name == "window" else "")
+                         + f", got {value}")
+    return value
+
+
 # --------------------------------------------------------------------------------------------------
 # mask_mods: index-based, composable with torch's and_masks / or_masks; they work on scalars (vmap in
 # FlexAttention) and on broadcastable index tensors (the chunked path and the dense reference).
@@ -102,21 +121,38 @@ def causal_mask(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-def sliding_window_mask(window: int) -> MaskMod:
-    """Keys ``q_idx - window + 1 .. q_idx`` (the window counts the query itself); combine with causal."""
-    if window < 1:
-        raise ValueError(f"window must be >= 1 (it counts the query itself), got {window}")
+def sliding_window_mask(window: int, real_count: Tensor | None = None) -> MaskMod:
+    """Keys ``q_idx - window + 1 .. q_idx`` (the window counts the query itself); combine with causal.
 
-    def sliding_window(b, h, q_idx, kv_idx):
-        return q_idx - kv_idx < window
+    With ``real_count`` (B, L) long, the running count of real (non-padding) keys of each row, the window
+    holds the last ``window`` *real* keys instead: padding columns inside a row take no place in it."""
+    window = _check_count("window", window, 1)
+    if real_count is None:
+
+        def sliding_window(b, h, q_idx, kv_idx):
+            return q_idx - kv_idx < window
+
+    else:
+
+        def sliding_window(b, h, q_idx, kv_idx):
+            return real_count[b, q_idx] - real_count[b, kv_idx] < window
 
     return sliding_window
 
 
-def sink_token_mask(n_sink: int, document_start: Tensor | None = None) -> MaskMod:
-    """The first ``n_sink`` keys of each document (of the row when ``document_start`` (B, L) is None)."""
+def sink_token_mask(n_sink: int, document_start: Tensor | None = None, real_count: Tensor | None = None) -> MaskMod:
+    """The first ``n_sink`` keys of each document (of the row when ``document_start`` (B, L) is None);
+    the first ``n_sink`` real keys when ``real_count`` (B, L), the running count of real keys, is given."""
+    n_sink = _check_count("n_sink", n_sink, 0)
+    if real_count is not None:
+        start = document_start if document_start is not None else torch.zeros_like(real_count)
+        # real keys before each key in its document (0 for the document's first token, a real one)
+        rank = real_count - real_count.gather(1, start)
 
-    if document_start is None:
+        def sink_tokens(b, h, q_idx, kv_idx):
+            return rank[b, kv_idx] < n_sink
+
+    elif document_start is None:
 
         def sink_tokens(b, h, q_idx, kv_idx):
             return kv_idx < n_sink
@@ -147,13 +183,16 @@ def key_padding_mask(key_valid: Tensor) -> MaskMod:
     return real_key
 
 
-def sink_window_mask(n_sink: int, window: int | None, document_start: Tensor | None = None) -> MaskMod:
-    """causal AND (sink tokens OR sliding window); plain causal when ``window`` is None."""
+def sink_window_mask(n_sink: int, window: int | None, document_start: Tensor | None = None,
+                     real_count: Tensor | None = None) -> MaskMod:
+    """causal AND (sink tokens OR sliding window); plain causal when ``window`` is None. ``real_count``
+    (B, L): count sinks and window in real keys (see :func:`sliding_window_mask`)."""
     if window is None:
         return causal_mask
-    if n_sink <= 0:
-        return and_masks(causal_mask, sliding_window_mask(window))
-    return and_masks(causal_mask, or_masks(sink_token_mask(n_sink, document_start), sliding_window_mask(window)))
+    if _check_count("n_sink", n_sink, 0) == 0:
+        return and_masks(causal_mask, sliding_window_mask(window, real_count))
+    return and_masks(causal_mask, or_masks(sink_token_mask(n_sink, document_start, real_count),
+                                           sliding_window_mask(window, real_count)))
 
 
 def _shift_queries(mask_mod: MaskMod, offset: int) -> MaskMod:
@@ -269,9 +308,20 @@ class SinkFlexMask:
         )
 
     # ------------------------------------------------------------------ masks
+    @property
+    def real_count(self) -> Tensor | None:
+        """(B, kv_len) long: real keys up to and including each key, None without padding. Sinks and
+        the window count real keys, so padding columns inside a row (a cache holding turns of different
+        lengths) neither take a place in the window nor push a sink out."""
+        if self.key_valid is None:
+            return None
+        if "count" not in self._cache:
+            self._cache["count"] = self.key_valid.long().cumsum(-1)
+        return self._cache["count"]
+
     def mask_mod(self, n_sink: int, window: int | None) -> MaskMod:
         """The composed mask_mod in (query index, key index) of this batch."""
-        parts = [sink_window_mask(n_sink, window, self.document_start)]
+        parts = [sink_window_mask(n_sink, window, self.document_start, self.real_count)]
         if self.document_ids is not None:
             parts.append(document_mask(self.document_ids))
         if self.key_valid is not None:
@@ -310,7 +360,8 @@ class SinkFlexMask:
         if key not in self._cache:
             pos = torch.arange(self.kv_len, device=self.device).expand(self.batch_size, -1)
             start = self.document_start if self.document_start is not None else torch.zeros_like(pos)
-            is_sink = pos - start < n_sink
+            count = self.real_count
+            is_sink = (pos - start if count is None else count - count.gather(1, start)) < n_sink
             if self.key_valid is not None:
                 is_sink = is_sink & self.key_valid
             width = max(int(is_sink.sum(-1).max()), 1)
@@ -352,13 +403,23 @@ class _ChunkPlan:
         self.mod = mask.mask_mod(n_sink, window)
         self.sinks = mask.sink_index(n_sink) if (window is not None and n_sink > 0) else None
 
+    def _window_start(self, q: int) -> int:
+        """The first key index any row's window can reach from query index ``q`` (the chunk's first)."""
+        count = self.mask.real_count
+        if count is None:
+            return max(0, q - self.window + 1)
+        q = min(max(q, 0), self.mask.kv_len - 1)
+        # first key whose count of real keys up to the query is below the window, the lowest over rows
+        first = torch.searchsorted(count, count[:, q:q + 1] - self.window, right=True)
+        return int(first.min())
+
     def chunks(self):
         m = self.mask
         dev = m.device
         for q0 in range(0, m.q_len, self.chunk):
             q1 = min(q0 + self.chunk, m.q_len)
             hi = min(m.q_offset + q1, m.kv_len)
-            lo = 0 if self.window is None else max(0, m.q_offset + q0 - self.window + 1)
+            lo = 0 if self.window is None else self._window_start(m.q_offset + q0)
             win = torch.arange(lo, hi, device=dev).expand(m.batch_size, -1)
             extra_ok = torch.ones_like(win, dtype=torch.bool)
             if self.sinks is not None and lo > 0:

@@ -559,3 +559,38 @@ def test_window_over_everything_equals_sdpa_with_left_and_inner_padding(kind):
         out = sf(input_ids=ids, attention_mask=am).logits
     real = am.bool()
     assert (out - ref)[real].abs().max() < 1e-5
+
+
+def test_sinks_and_window_count_real_keys_only():
+    valid = torch.tensor([[1, 1, 1, 0, 0, 1, 1, 1]], dtype=torch.bool)
+    m = A.SinkFlexMask.from_segment_ids(torch.zeros(1, 8, dtype=torch.long), valid.long())
+    dense = m.dense(n_sink=2, window=3)[0]
+    # query 5: the window holds its last three real keys (2, 5 and key 1, also a sink); padding takes no place
+    assert dense[5].nonzero().flatten().tolist() == [0, 1, 2, 5]
+    assert dense[7].nonzero().flatten().tolist() == [0, 1, 5, 6, 7]
+    # padding at the front does not push the sinks out either
+    left = A.SinkFlexMask.from_segment_ids(torch.zeros(1, 8, dtype=torch.long),
+                                           torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]]))
+    assert left.dense(n_sink=2, window=2)[0, 7].nonzero().flatten().tolist() == [2, 3, 6, 7]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16])
+def test_chunked_path_is_exact_with_padding_inside_rows(chunk):
+    torch.manual_seed(11)
+    b, h, hkv, n, d = 3, 4, 2, 29, 8
+    q, k, v = torch.randn(b, h, n, d), torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d)
+    valid = torch.ones(b, n, dtype=torch.long)
+    valid[0, 4:11] = 0
+    valid[1, :5] = 0
+    valid[1, 17:19] = 0
+    valid[2, 20:] = 0
+    seg = torch.zeros(b, n, dtype=torch.long)
+    seg[2, 12:] = 1  # a packed second document
+    m = A.SinkFlexMask.from_segment_ids(seg, valid)
+    sinks = torch.randn(h)
+    ref = A.reference_attention(q, k, v, m, n_sink=2, window=5, sink_logits=sinks)
+    out = A.sink_attention(q, k, v, m, n_sink=2, window=5, sink_logits=sinks, backend="chunked", chunk_size=chunk)
+    flex = A.sink_attention(q, k, v, m, n_sink=2, window=5, sink_logits=sinks, backend="flex")
+    real = valid.bool()[:, None, :, None].expand_as(ref)
+    assert (out.double() - ref)[real].abs().max() < 1e-5
+    assert (flex.double() - ref)[real].abs().max() < 1e-5
