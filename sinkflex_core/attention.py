@@ -74,6 +74,8 @@ __all__ = [
     "apply",
     "sink_parameters",
     "load_sink_logits",
+    "attention_settings",
+    "save_attention_settings",
     "early_key_mass",
     "SinkEstimate",
     "estimate_layer_sinks",
@@ -84,6 +86,7 @@ __all__ = [
 IMPLEMENTATION = "sinkflex"
 PROBE_IMPLEMENTATION = "sinkflex_probe"
 SINKS_FILENAME = "sinkflex_sinks.json"
+SETTINGS_FILENAME = "sinkflex_attention.json"
 DEFAULT_N_SINK = 4
 DEFAULT_WINDOW = 4096
 # Initial sink logit s0. Each attention output row is scaled by 1 - eps, eps = sigmoid(s0 - lse) <=
@@ -262,6 +265,8 @@ class SinkFlexMask:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def causal(cls, batch_size: int, q_len: int, kv_len: int | None = None, device="cpu") -> SinkFlexMask:
+        """One document per row, no padding; the ``q_len`` queries are the last ``q_len`` of the
+        ``kv_len`` keys (``q_len <= kv_len``)."""
         kv_len = q_len if kv_len is None else kv_len
         return cls(batch_size, q_len, kv_len, q_offset=kv_len - q_len, device=device)
 
@@ -520,7 +525,14 @@ class _ChunkedAttention(torch.autograd.Function):
         return dq.view(bsz, hq, lq, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def _check_shapes(q: Tensor, k: Tensor, v: Tensor, mask: SinkFlexMask) -> None:
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: SinkFlexMask) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Tensor) or not x.is_floating_point():
+            # integer or boolean inputs would be computed in float and truncated back to their dtype
+            raise TypeError(f"{name} must be a floating-point tensor, got "
+                            f"{x.dtype if isinstance(x, Tensor) else type(x).__name__}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be (batch, heads, length, head_dim)")
     if k.shape[:3] != v.shape[:3]:
@@ -534,6 +546,11 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, mask: SinkFlexMask) -> None:
             f"mask is for batch {mask.batch_size}, {mask.q_len} queries, {mask.kv_len} keys; got q "
             f"{tuple(q.shape)} and k {tuple(k.shape)}"
         )
+    if mask.q_offset < 0:
+        raise ValueError(
+            f"more queries than keys ({mask.q_len} queries, {mask.kv_len} keys, query 0 at key index "
+            f"{mask.q_offset}): the first queries would see no key at all. The queries are the last "
+            "q_len positions of the keys (a cache holds the earlier ones)")
 
 
 _COMPILED_FLEX: dict = {}
@@ -575,9 +592,9 @@ def sink_attention(
     """
     if mask is None:
         mask = SinkFlexMask.causal(q.shape[0], q.shape[2], k.shape[2], device=q.device)
-    _check_shapes(q, k, v, mask)
-    if n_sink < 0:
-        raise ValueError(f"n_sink must be >= 0, got {n_sink}")
+    _check_inputs(q, k, v, mask)
+    n_sink = _check_count("n_sink", n_sink, 0)
+    window = None if window is None else _check_count("window", window, 1)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if backend == "auto":
         backend = "flex" if q.device.type == "cuda" else "chunked"
@@ -603,8 +620,7 @@ def sink_attention(
         )
         lse = aux.lse.float()
     elif backend == "chunked":
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        chunk_size = _check_count("chunk_size", chunk_size, 1)
         out, lse = _ChunkedAttention.apply(q, k, v, _ChunkPlan(mask, n_sink, window, chunk_size), scale)
     else:
         raise ValueError(f"backend must be 'auto', 'flex' or 'chunked', got {backend!r}")
@@ -627,7 +643,9 @@ def reference_attention(
     that is dropped after normalising. Same arguments as :func:`sink_attention`; returns float64."""
     if mask is None:
         mask = SinkFlexMask.causal(q.shape[0], q.shape[2], k.shape[2], device=q.device)
-    _check_shapes(q, k, v, mask)
+    _check_inputs(q, k, v, mask)
+    n_sink = _check_count("n_sink", n_sink, 0)
+    window = None if window is None else _check_count("window", window, 1)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     g = q.shape[1] // k.shape[1]
     q64, k64, v64 = (x.double() for x in (q, k, v))
@@ -707,18 +725,29 @@ def sinkflex_mask(
     )
 
 
+_NO_SETTINGS = object()
+
+
 def _layer_settings(module: nn.Module) -> tuple[int, int | None]:
+    """(n_sink, window) of one attention layer: set by :func:`apply`, else read from the config
+    (``sinkflex_n_sink`` or ``sinkflex_layer_sinks``, and ``sinkflex_window``). There is no silent
+    default: a model switched to ``"sinkflex"`` with neither gets a ValueError that says what to do."""
     cfg = getattr(module, "config", None)
     n_sink = getattr(module, "sinkflex_n_sink", None)
     if n_sink is None:
         per_layer = getattr(cfg, "sinkflex_layer_sinks", None)
         layer = getattr(module, "layer_idx", None)
         if per_layer is not None and layer is not None:
-            n_sink = int(per_layer[layer])
+            n_sink = per_layer[layer]
         else:
-            n_sink = int(getattr(cfg, "sinkflex_n_sink", DEFAULT_N_SINK))
-    window = getattr(module, "sinkflex_window", getattr(cfg, "sinkflex_window", DEFAULT_WINDOW))
-    return n_sink, window
+            n_sink = getattr(cfg, "sinkflex_n_sink", None)
+    window = getattr(module, "sinkflex_window", getattr(cfg, "sinkflex_window", _NO_SETTINGS))
+    if n_sink is None or window is _NO_SETTINGS:
+        raise ValueError(
+            f"attn_implementation='{IMPLEMENTATION}' but layer {getattr(module, 'layer_idx', '?')} has no sink "
+            "settings: call sinkflex_core.attention.apply(model, n_sink=..., window=...) (it also adds the "
+            "learned sinks), or load a saved policy with sinkflex_core.models.load_policy(folder)")
+    return _check_count("n_sink", n_sink, 0), None if window is None else _check_count("window", window, 1)
 
 
 def sinkflex_attention_forward(
@@ -751,6 +780,12 @@ def sinkflex_attention_forward(
             f"{type(attention_mask).__name__}); call sinkflex_core.attention.register() before the model runs"
         )
     n_sink, window = _layer_settings(module)
+    if getattr(getattr(module, "config", None), "sinkflex_learn_sinks", False) and \
+            getattr(module, "sinkflex_sink_logits", None) is None:
+        raise ValueError(
+            f"this model was trained with learned sink logits, which layer {getattr(module, 'layer_idx', '?')} "
+            "lacks (from_pretrained drops them): load it with sinkflex_core.models.load_policy(folder), or "
+            "call attention.apply(model, ...) then attention.load_sink_logits(model, folder)")
     if n_sink and attention_mask.keys_dropped:
         raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: {n_sink} sink tokens, but the cache has "
                          f"evicted the first {attention_mask.keys_dropped} keys (a sliding-window cache layer); "
@@ -828,15 +863,16 @@ def apply(
     the new parameters (to keep them trainable next to LoRA). Returns the model.
     """
     register()
-    if window is not None and window < 1:
-        raise ValueError(f"window must be >= 1 or None, got {window}")
-    if n_sink < 0:
-        raise ValueError(f"n_sink must be >= 0, got {n_sink}")
+    window = None if window is None else _check_count("window", window, 1)
+    n_sink = _check_count("n_sink", n_sink, 0)
+    chunk_size = _check_count("chunk_size", chunk_size, 1)
     mods = _attention_modules(model)
     if isinstance(layer_sinks, str | os.PathLike):  # a str is a Sequence too: test the path types first
         layer_sinks = load_layer_sinks(layer_sinks)
     if layer_sinks is not None and len(layer_sinks) != len(mods):
         raise ValueError(f"layer_sinks has {len(layer_sinks)} entries for {len(mods)} attention layers")
+    if layer_sinks is not None:
+        layer_sinks = [_check_count("layer_sinks entry", x, 0) for x in layer_sinks]
     cfg = model.config
     n_heads = cfg.num_attention_heads
     for m in mods:
@@ -850,9 +886,12 @@ def apply(
             init = (own.detach().float().clone() if isinstance(own, torch.Tensor) and own.shape == (n_heads,)
                     else torch.full((n_heads,), float(sink_init), dtype=torch.float32, device=dev))
             m.register_parameter("sinkflex_sink_logits", nn.Parameter(init))
-    cfg.sinkflex_n_sink = int(n_sink)
+    cfg.sinkflex_n_sink = n_sink
     cfg.sinkflex_window = window
     cfg.sinkflex_layer_sinks = None if layer_sinks is None else [int(x) for x in layer_sinks]
+    # saved with the config: a model loaded without its learned sinks then refuses to run (see
+    # sinkflex_attention_forward) instead of running a different attention
+    cfg.sinkflex_learn_sinks = any(hasattr(m, "sinkflex_sink_logits") for m in mods)
     _set_implementation(model, IMPLEMENTATION)
     return model
 
@@ -887,6 +926,60 @@ def load_sink_logits(model: nn.Module, model_dir: str | os.PathLike) -> int:
     if loaded == 0:
         raise FileNotFoundError(f"no sink logits in the safetensors files of {model_dir}")
     return loaded
+
+
+def _saved_sink_logit_files(folder: Path) -> list[Path]:
+    from safetensors import safe_open
+
+    found = []
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            if any(k.endswith("sinkflex_sink_logits") for k in f.keys()):
+                found.append(file)
+    return found
+
+
+def attention_settings(source: nn.Module | str | os.PathLike) -> dict | None:
+    """The sink attention a model runs with, or that a saved model folder was trained with: a dict
+    ``{"n_sink", "window", "layer_sinks", "learn_sinks"}``, or None for a model without sink attention.
+
+    A folder is read from ``sinkflex_attention.json`` (written by :func:`save_attention_settings`, the only
+    record beside LoRA adapters) or else from the ``sinkflex_*`` entries :func:`apply` put in its
+    ``config.json``; ``learn_sinks`` then says whether its safetensors files hold learned sink logits."""
+    if isinstance(source, nn.Module):
+        cfg = getattr(source, "config", None)
+        if cfg is None or getattr(cfg, "sinkflex_n_sink", None) is None:
+            return None
+        return {"n_sink": cfg.sinkflex_n_sink, "window": getattr(cfg, "sinkflex_window", None),
+                "layer_sinks": getattr(cfg, "sinkflex_layer_sinks", None),
+                "learn_sinks": bool(sink_parameters(source))}
+    folder = Path(source)
+    saved = folder / SETTINGS_FILENAME
+    if saved.is_file():
+        data = json.loads(saved.read_text())
+    elif (folder / "config.json").is_file():
+        cfg = json.loads((folder / "config.json").read_text())
+        if cfg.get("sinkflex_n_sink") is None:
+            return None
+        data = {"n_sink": cfg["sinkflex_n_sink"], "window": cfg.get("sinkflex_window"),
+                "layer_sinks": cfg.get("sinkflex_layer_sinks")}
+    else:
+        return None
+    data = {k: data.get(k) for k in ("n_sink", "window", "layer_sinks")}
+    data["learn_sinks"] = bool(_saved_sink_logit_files(folder))
+    return data
+
+
+def save_attention_settings(model: nn.Module, folder: str | os.PathLike) -> Path | None:
+    """Write ``sinkflex_attention.json`` (sink counts and window of a model switched by :func:`apply`)
+    into ``folder``, so that :func:`sinkflex_core.models.load_policy` rebuilds the attention even where
+    no ``config.json`` is saved (LoRA adapters). Returns the path, or None for a model without sinks."""
+    settings = attention_settings(model)
+    if settings is None:
+        return None
+    path = Path(folder) / SETTINGS_FILENAME
+    path.write_text(json.dumps({"format": "sinkflex-attention/1", **settings}, indent=1))
+    return path
 
 
 # --------------------------------------------------------------------------------------------------
