@@ -594,3 +594,50 @@ def test_chunked_path_is_exact_with_padding_inside_rows(chunk):
     real = valid.bool()[:, None, :, None].expand_as(ref)
     assert (out.double() - ref)[real].abs().max() < 1e-5
     assert (flex.double() - ref)[real].abs().max() < 1e-5
+
+
+# ------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("dtype", [torch.long, torch.int32, torch.bool])
+def test_integer_or_boolean_inputs_are_refused(dtype):
+    q = torch.ones(1, 2, 6, 4).to(dtype)
+    with pytest.raises(TypeError, match="floating-point"):
+        A.sink_attention(q, q, q, n_sink=1, window=3)
+    with pytest.raises(TypeError, match="floating-point"):
+        A.reference_attention(q, q, q)
+    f = torch.randn(1, 2, 6, 4)
+    with pytest.raises(TypeError, match="share one dtype"):
+        A.sink_attention(f, f.double(), f)
+
+
+@pytest.mark.parametrize("n_sink, window, error", [(1, 2.5, ValueError), (1.5, 4, ValueError), (True, 4, TypeError),
+                                                   (1, "8", TypeError), (-1, 4, ValueError), (1, 0, ValueError)])
+def test_fractional_or_negative_sink_counts_and_windows_are_refused(n_sink, window, error):
+    q = torch.randn(1, 2, 9, 4)
+    with pytest.raises(error, match="n_sink|window"):
+        A.sink_attention(q, q, q, n_sink=n_sink, window=window, chunk_size=3)
+    with pytest.raises(error, match="n_sink|window"):
+        A.apply(tiny_model(), n_sink=n_sink, window=window)
+
+
+def test_whole_float_settings_are_the_integers():
+    q = torch.randn(1, 2, 9, 4)
+    a = A.sink_attention(q, q, q, n_sink=2.0, window=3.0, chunk_size=3)
+    assert torch.equal(a, A.sink_attention(q, q, q, n_sink=2, window=3, chunk_size=3))
+
+
+def test_more_queries_than_keys_is_refused():
+    q, k = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 5, 4)
+    with pytest.raises(ValueError, match="more queries than keys"):
+        A.sink_attention(q, k, k)
+    with pytest.raises(ValueError, match="more queries than keys"):
+        A.reference_attention(q, k, k)
+
+
+def test_sinkflex_by_name_without_settings_is_refused():
+    model = tiny_model()
+    model.set_attn_implementation(A.IMPLEMENTATION)
+    with pytest.raises(ValueError, match="no sink settings"):
+        model(input_ids=torch.randint(0, 96, (1, 10)))
+    model.config.sinkflex_n_sink, model.config.sinkflex_window = 1, 4  # settings in the config are used
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.randint(0, 96, (1, 10))).logits).all()
