@@ -312,6 +312,10 @@ class SinkFlexMask:
             valid.device,
         )
 
+    def contiguous(self) -> SinkFlexMask:
+        """Itself: ``generate`` with a static cache calls ``.contiguous()`` on the masks it prepares."""
+        return self
+
     # ------------------------------------------------------------------ masks
     @property
     def real_count(self) -> Tensor | None:
@@ -683,12 +687,18 @@ def sinkflex_mask(
     Document boundaries are read from ``mask_function`` on adjacent positions only (position ``p``
     continues the document of ``p - 1`` iff ``mask_function(p, p - 1)`` holds), so no L x L mask is
     evaluated. Other overlays Hugging Face may add (e.g. bidirectional blocks) are
-    not carried over.
+    not carried over. With a static cache (``generate(..., cache_implementation="static")``) the keys are
+    the whole preallocated cache and the padding mask covers only the tokens seen so far; the slots
+    after them count as padding.
     """
     q_offset = int(q_offset)
     valid = None
     if attention_mask is not None:
         valid = attention_mask.to(device=device, dtype=torch.bool)[:, -kv_length:]
+        if valid.dim() == 2 and valid.shape[0] == batch_size and valid.shape[1] < kv_length:
+            # a static cache: keys are the whole preallocated buffer, the mask covers the tokens seen so
+            # far, and the slots after them are not written yet (causality hides them too)
+            valid = torch.nn.functional.pad(valid, (0, kv_length - valid.shape[1]), value=False)
         if valid.shape != (batch_size, kv_length):
             raise ValueError(f"padding mask must be (batch, kv_length)={batch_size, kv_length}, "
                              f"got {tuple(valid.shape)}")

@@ -56,3 +56,23 @@ def test_batched_sink_generation_picks_each_rows_own_tokens(sink_model, fast_pat
     # the check is not vacuous: the rows did generate, and the model is on sink attention
     assert all(sum(len(t) for t in together[k]) > 3 for k in histories)
     assert sink_model.config._attn_implementation == A.IMPLEMENTATION
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_generate_with_a_static_cache_equals_the_dynamic_cache(sink_model, padded):
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(2, VOCAB, (2, 30), generator=g)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :6] = 0
+    sink_model.generation_config.pad_token_id = 0
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    with torch.no_grad():
+        dynamic = sink_model.generate(ids, **kw)
+        static = sink_model.generate(ids, cache_implementation="static", **kw)
+        # the same tokens as a plain forward over each row picks greedily (no cache at all)
+        row = dynamic[1:, 6 if padded else 0:]
+        steps = [int(sink_model(input_ids=row[:, :t]).logits[0, -1].argmax()) for t in range(30 - (6 if padded else 0),
+                                                                                                 row.shape[1])]
+    assert torch.equal(static, dynamic)
+    assert steps == row[0, -8:].tolist()
