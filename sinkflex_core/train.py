@@ -1624,8 +1624,15 @@ def success_counts(backend, tokenizer, split: str, tasks: list[int], samples: in
 
 
 def policy_digest(policy_dir: str | os.PathLike) -> str:
-    """The first 16 hex digits of the SHA-256 of a saved policy's weights (``model.safetensors``)."""
-    return _file_digest(Path(policy_dir) / "model.safetensors")[:16]
+    """The first 16 hex digits of the SHA-256 of a saved policy's weights (``model.safetensors``; for
+    LoRA adapters or sharded weights, of the digests of all its ``*.safetensors`` files in name order)."""
+    folder = Path(policy_dir)
+    if (folder / "model.safetensors").is_file():
+        return _file_digest(folder / "model.safetensors")[:16]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors weights")
+    return hashlib.sha256("".join(_file_digest(f) for f in files).encode()).hexdigest()[:16]
 
 
 def success_table(policy_dir: str | os.PathLike, split: str, tasks: list[int], samples: int,

@@ -97,6 +97,8 @@ def test_exported_lora_sink_policy_loads_over_its_base(tokenizer_dir, tmp_path):
     assert (got - expect)[real].abs().max() < 1e-4
     assert (bare - expect)[real].abs().max() > 1e-3  # adapters and sinks did matter
     assert A.attention_settings(folder) == {"n_sink": 2, "window": 24, "layer_sinks": None, "learn_sinks": True}
+    table = train.success_table(folder, "train", [0], samples=1, progress=False)  # the screen reads adapters too
+    assert list(table["task"]) == [0] and len(table["policy_digest"].iloc[0]) == 16
 
 
 def test_policy_folders_that_cannot_be_loaded_say_why(tmp_path):
