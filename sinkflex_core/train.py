@@ -1534,8 +1534,8 @@ class Trainer:
         ``AutoModelForCausalLM.from_pretrained(path)``. LoRA: peft's adapter files, for
         ``peft.AutoPeftModelForCausalLM.from_pretrained(path)`` over the base ``cfg.model``. Learned
         sink logits are saved too (in the model's weights, or ``sink_logits.safetensors`` beside
-        LoRA adapters); after ``attention.apply(model, ..., learn_sinks=True)``,
-        ``attention.load_sink_logits(model, path)`` puts them back. Under FSDP every rank holds the
+        LoRA adapters), and the sink settings in ``sinkflex_attention.json``:
+        ``models.load_policy(path)`` loads the policy with all of them. Under FSDP every rank holds the
         whole weights in its rollout copy; the main process writes them. Returns the folder."""
         path = Path(path) if path is not None else self.out_dir / "policy"
         lm = self.rollout_lm if self.rollout_lm is not None else self.policy.lm
