@@ -901,9 +901,15 @@ def load_model(cfg: TrainConfig, tokenizer, device: torch.device) -> nn.Module:
         # weights are loaded in float32 there; a single process loads them in the compute dtype.
         load_dtype = torch.float32 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else dtype
         try:
-            model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=load_dtype, attn_implementation=attn)
+            if Path(cfg.model).is_dir():  # a saved policy: with the attention it was trained with
+                model = models.load_policy(cfg.model, dtype=load_dtype, attn_implementation=attn)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=load_dtype, attn_implementation=attn)
         except OSError as err:
             raise ConfigError(f"cannot load model {cfg.model!r}: {err}") from None
+        if cfg.attention != "sinkflex" and getattr(model.config, "_attn_implementation", None) == "sinkflex":
+            raise ConfigError(f"{cfg.model} was trained with sink attention; train it with attention=sinkflex "
+                              "(its learned sinks are kept), not with plain attention")
     if cfg.attention == "sinkflex":
         from . import attention
 
@@ -1528,17 +1534,20 @@ class Trainer:
         ``AutoModelForCausalLM.from_pretrained(path)``. LoRA: peft's adapter files, for
         ``peft.AutoPeftModelForCausalLM.from_pretrained(path)`` over the base ``cfg.model``. Learned
         sink logits are saved too (in the model's weights, or ``sink_logits.safetensors`` beside
-        LoRA adapters); after ``attention.apply(model, ..., learn_sinks=True)``,
-        ``attention.load_sink_logits(model, path)`` puts them back. Under FSDP every rank holds the
+        LoRA adapters), and the sink settings in ``sinkflex_attention.json``:
+        ``models.load_policy(path)`` loads the policy with all of them. Under FSDP every rank holds the
         whole weights in its rollout copy; the main process writes them. Returns the folder."""
         path = Path(path) if path is not None else self.out_dir / "policy"
         lm = self.rollout_lm if self.rollout_lm is not None else self.policy.lm
         if self.dist.main:
             from safetensors.torch import save_file
 
+            from . import attention
+
             path.mkdir(parents=True, exist_ok=True)
             lm.save_pretrained(path)
             self.tokenizer.save_pretrained(path)
+            attention.save_attention_settings(lm, path)  # LoRA folders have no config.json to carry them
             sinks = {n: p.detach().cpu().contiguous() for n, p in lm.named_parameters()
                      if n.endswith("sinkflex_sink_logits")}
             if self.cfg.lora and sinks:
@@ -1615,8 +1624,15 @@ def success_counts(backend, tokenizer, split: str, tasks: list[int], samples: in
 
 
 def policy_digest(policy_dir: str | os.PathLike) -> str:
-    """The first 16 hex digits of the SHA-256 of a saved policy's weights (``model.safetensors``)."""
-    return _file_digest(Path(policy_dir) / "model.safetensors")[:16]
+    """The first 16 hex digits of the SHA-256 of a saved policy's weights (``model.safetensors``; for
+    LoRA adapters or sharded weights, of the digests of all its ``*.safetensors`` files in name order)."""
+    folder = Path(policy_dir)
+    if (folder / "model.safetensors").is_file():
+        return _file_digest(folder / "model.safetensors")[:16]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors weights")
+    return hashlib.sha256("".join(_file_digest(f) for f in files).encode()).hexdigest()[:16]
 
 
 def success_table(policy_dir: str | os.PathLike, split: str, tasks: list[int], samples: int,
@@ -1625,16 +1641,14 @@ def success_table(policy_dir: str | os.PathLike, split: str, tasks: list[int], s
     """One row per task (its write actions, successes out of ``samples``) for the saved policy in
     ``policy_dir``, with the policy's folder name and weights digest, the settings and provenance."""
     import pandas as pd
-    from transformers import AutoModelForCausalLM
 
+    from .models import load_policy
     from .models import load_tokenizer as load_saved_tokenizer
     from .provenance import provenance
     from .rollout import HFBackend
 
-    if not (Path(policy_dir) / "config.json").is_file():
-        raise FileNotFoundError(f"{policy_dir}: no saved model there (config.json missing)")
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
+    model = load_policy(policy_dir)  # with the attention it was trained with (sinks, window, sink logits)
     tokenizer = load_saved_tokenizer(policy_dir)
     counts = success_counts(HFBackend(model, tokenizer), tokenizer, split, tasks, samples, tasks_per_call, seed,
                             progress, env_id)
