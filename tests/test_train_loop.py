@@ -358,10 +358,12 @@ def _torchrun_scored(cfg: TrainConfig, config_path: Path) -> subprocess.Complete
 def test_torchrun_two_processes_fsdp2_match_one_process(tokenizer_dir, tmp_path):
     """`torchrun --nproc_per_node 2` (gloo, FSDP2) against one process, same config, with rewards that
     differ within a group (scored_trainer.py), so that the policy-gradient term is in the update: the
-    metrics and the updated weights agree. Tolerance: metrics 1e-4 relative; weights 1e-4 relative
-    plus 1e-3 of the largest change two steps made (the two runs sum the same numbers in another
-    order: micro-batches and the gradient reduce-scatter differ, and Adam divides by the root of the
-    squared gradients, which amplifies rounding in near-zero gradients; bitwise equality is not expected)."""
+    metrics and the updated weights agree. The two runs sum the same numbers in another order
+    (micro-batches and the gradient reduce-scatter differ), so bitwise equality is not expected.
+    Tolerance: metrics 1e-4 relative; every tensor's update (final minus initial weights) to 1% of
+    its norm. Measured: 6e-4 on the key biases, whose gradient is zero in exact arithmetic (a key bias
+    shifts all of a query's scores alike), so that Adam's normalisation turns rounding into steps;
+    below 2e-5 on every other tensor."""
     from safetensors.torch import load_file
     from scored_trainer import ScoredTrainer
 
@@ -381,12 +383,10 @@ def test_torchrun_two_processes_fsdp2_match_one_process(tokenizer_dir, tmp_path)
     w2, w1 = load_file(tmp_path / "two" / "policy" / "model.safetensors"), \
         load_file(tmp_path / "one" / "policy" / "model.safetensors")
     assert w2.keys() == w1.keys() and set(w1) <= set(start)
-    moved = max(float((w1[n] - start[n]).abs().max()) for n in w1)
-    gap = max(float((w2[n] - w1[n]).abs().max()) for n in w1)
-    assert moved > 1e-4, moved
     for n in w1:
-        torch.testing.assert_close(w2[n], w1[n], rtol=1e-4, atol=1e-3 * moved, msg=lambda m, n=n: f"{n}: {m}")
-    assert gap < 1e-3 * moved, (gap, moved)
+        update = float((w1[n] - start[n]).norm())
+        assert update > 0, f"{n} was not trained"
+        assert float((w2[n] - w1[n]).norm()) <= 1e-2 * update, (n, float((w2[n] - w1[n]).norm()) / update)
 
 
 def test_time_budget_stops_after_the_evaluation_that_used_it_up(tokenizer_dir, tmp_path):
