@@ -70,7 +70,9 @@ def test_one_grpo_step_through_vllm_syncs_the_merged_lora_policy():
     _need_vllm()
     r = _run_script("grpo")
     # the step: vLLM's rollouts, a reward signal in one group, an optimizer step that moved the adapters
-    assert r["trajectories"] == 4 and r["reward_std"] > 0 and abs(r["pg_loss"]) > 0, r
+    # (no entropy bonus, and the KL term has no gradient while the policy is its reference: what
+    # moved them is the policy gradient of the nonzero advantages)
+    assert r["trajectories"] == 4 and r["reward_std"] > 0, r
     assert r["first_rollout_vs_trainer_max_abs"] < TOLERANCE, r
     assert r["lora_b_max_abs"] > 0, r
     assert r["weight_updates"] == 1, r  # the sync after the update (the engine started with the weights)
@@ -156,7 +158,7 @@ def _grpo_main() -> None:
         lora=True, lora_r=4, lora_alpha=64, lr=0.05, rollout_backend="vllm", vllm_gpu_memory_utilization=0.3,
         tasks_per_step=2, group_size=2, num_minibatches=1, ppo_epochs=1, micro_batch_size=4, steps=1,
         max_total_tokens=320, max_new_tokens_per_turn=12, max_turns=3, system_prompt="x", include_tools=False,
-        kl_coef=0.04, threads=1, progress=False, tensorboard=False, eval_tasks=1, save_every=0))
+        kl_coef=0.04, entropy_coef=0.0, threads=1, progress=False, tensorboard=False, eval_tasks=1, save_every=0))
     trainer = ScoredTrainer(cfg)
     backend, tok = trainer.backend, trainer.tokenizer
 
