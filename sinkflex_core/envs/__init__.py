@@ -3,7 +3,9 @@
 Importing this package registers ``sinkflex/Retail-v0`` (a store simulator, state in SQLite),
 ``sinkflex/RetailHTTP-v0`` (the same store, its tools served by an HTTP server on 127.0.0.1),
 ``sinkflex/BankSQL-v0`` (text-to-SQL over a small bank database), ``sinkflex/Airline-v0`` (an airline's
-reservations desk, state in SQLite) and ``sinkflex/AirlineHTTP-v0`` (the airline over HTTP)::
+reservations desk, state in SQLite), ``sinkflex/AirlineHTTP-v0`` (the airline over HTTP),
+``sinkflex/RetailMCP-v0`` (the store's tools served by an MCP server, called as an MCP client) and
+``sinkflex/MCP-v0`` (any MCP server, with tasks and a verifier from a task file)::
 
     env = gymnasium.make("sinkflex/Retail-v0", split="train")
     obs, info = env.reset(seed=0, options={"task_index": 3})
@@ -33,6 +35,7 @@ from .retail_world import RetailWorld, state_hash
 
 ENV_IDS = ("sinkflex/Retail-v0", "sinkflex/RetailHTTP-v0", "sinkflex/BankSQL-v0")
 AIRLINE_ENV_IDS = ("sinkflex/Airline-v0", "sinkflex/AirlineHTTP-v0")
+MCP_ENV_IDS = ("sinkflex/RetailMCP-v0", "sinkflex/MCP-v0")
 
 
 def make_retail_env(split: str = "train", max_turns: int = 30, world_seed: int = 0,
@@ -85,9 +88,40 @@ def make_airline_http_env(split: str = "train", max_turns: int = 30, world_seed:
         raise
 
 
+def make_retail_mcp_env(split: str = "train", max_turns: int = 30, world_seed: int = 0,
+                        render_mode: str | None = None) -> ToolEnv:
+    """``sinkflex/RetailMCP-v0``: the same store, its tools served by an MCP server (streamable HTTP on
+    127.0.0.1) and called by the environment as an MCP client."""
+    from .mcp_retail import RetailMCPBackend
+
+    backend = RetailMCPBackend(world_seed)
+    try:
+        return ToolEnv(backend, split=split, max_turns=max_turns, render_mode=render_mode)
+    except BaseException:
+        backend.close()
+        raise
+
+
+def make_mcp_env(command: list[str] | str | None = None, url: str | None = None, tasks=None, checker=None,
+                 split: str = "train", max_turns: int = 20, fresh_server: bool | None = None,
+                 env: dict | None = None, timeout: float = 30.0, render_mode: str | None = None) -> ToolEnv:
+    """``sinkflex/MCP-v0``: any MCP server (``command`` for stdio, ``url`` for streamable HTTP) with the
+    tasks and verifier of a task file (:mod:`.mcp_env`); without a server, the shipped notes example."""
+    from .mcp_env import MCPBackend
+
+    backend = MCPBackend(command=command, url=url, tasks=tasks, checker=checker, fresh_server=fresh_server,
+                         env=env, timeout=timeout)
+    try:
+        return ToolEnv(backend, split=split, max_turns=max_turns, render_mode=render_mode)
+    except BaseException:
+        backend.close()
+        raise
+
+
 def _register() -> None:
-    for env_id, entry in zip(ENV_IDS + AIRLINE_ENV_IDS, ("make_retail_env", "make_retail_http_env", "make_bank_env",
-                                       "make_airline_env", "make_airline_http_env")):
+    for env_id, entry in zip(ENV_IDS + AIRLINE_ENV_IDS + MCP_ENV_IDS,
+                             ("make_retail_env", "make_retail_http_env", "make_bank_env", "make_airline_env",
+                              "make_airline_http_env", "make_retail_mcp_env", "make_mcp_env")):
         if env_id not in gym.registry:
             gym.register(env_id, entry_point=f"{__name__}:{entry}", disable_env_checker=False)
 
@@ -104,7 +138,7 @@ from .oracle import (  # noqa: E402
 )
 
 __all__ = [
-    "AIRLINE_ENV_IDS", "ENV_IDS", "MAX_TEXT_CHARS", "STOP", "DoNothingAgent", "evaluate_agent", "TOOL_NAMES", "WRITE_TOOLS", "Action", "AnyText", "Customer",
+    "AIRLINE_ENV_IDS", "ENV_IDS", "MCP_ENV_IDS", "make_mcp_env", "make_retail_mcp_env", "MAX_TEXT_CHARS", "STOP", "DoNothingAgent", "evaluate_agent", "TOOL_NAMES", "WRITE_TOOLS", "Action", "AnyText", "Customer",
     "OracleAgent", "RandomAgent", "RetailBackend", "RetailTools", "RetailWorld", "ScriptedCustomer",
     "ToolBackend", "ToolEnv", "ToolResult", "expected_hash", "expert_conversation", "format_tool_call",
     "get_tasks", "make_airline_env", "make_airline_http_env", "make_bank_env", "make_retail_env", "make_retail_http_env", "parse_action",

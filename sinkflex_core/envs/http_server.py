@@ -156,7 +156,8 @@ def build_app(server: ToolHTTPServer) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException):
-        return _error(err.status_code, str(err.detail).lower())
+        # a request the API does not know ends its connection, as a malformed one does
+        return _error(err.status_code, str(err.detail).lower(), close=True)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, err: RequestValidationError):
@@ -344,6 +345,46 @@ class _JSONErrorProtocol(H11Protocol):
 # ----------------------------------------------------------------------------------------------
 
 
+class UvicornThread:
+    """An ASGI application served by uvicorn on 127.0.0.1 (a port the OS picks) in a thread of its own,
+    from construction to :meth:`stop`. uvicorn installs no signal handlers outside the main thread."""
+
+    def __init__(self, app, lifespan: str = "off", name: str = "sinkflex-tools-server"):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.server_address = sock.getsockname()[:2]
+        config = uvicorn.Config(app, http=_JSONErrorProtocol, lifespan=lifespan, log_config=None,
+                                log_level="critical", access_log=False, timeout_graceful_shutdown=JOIN_SECONDS,
+                                h11_max_incomplete_event_size=MAX_HEAD, server_header=False)
+        self._uvicorn = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._serve, args=(sock,), daemon=True, name=name)
+        self._thread.start()
+        deadline = time.monotonic() + START_SECONDS
+        while not self._uvicorn.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if not self._uvicorn.started:
+            self.stop()
+            raise RuntimeError("the server did not start")
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            self._uvicorn.run(sockets=[sock])
+        finally:
+            sock.close()
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address
+        return f"http://{host}:{port}"
+
+    def stop(self) -> None:
+        """Stop accepting, let requests in flight finish (up to ``JOIN_SECONDS``), end the thread. Idempotent."""
+        self._uvicorn.should_exit = True
+        if threading.current_thread() is not self._thread:  # the server's own thread cannot wait for itself
+            self._thread.join(timeout=JOIN_SECONDS + 5)
+
+
 class ToolHTTPServer:
     """Serves ``call_tool(name, arguments) -> ToolResult`` for the tools in ``schemas`` on 127.0.0.1.
 
@@ -361,28 +402,8 @@ class ToolHTTPServer:
         self.request_log: collections.deque = collections.deque(maxlen=1000)
         self._closing = False
         self.app = build_app(self)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.server_address = sock.getsockname()[:2]
-        config = uvicorn.Config(self.app, http=_JSONErrorProtocol, lifespan="off", log_config=None,
-                                log_level="critical", access_log=False, timeout_graceful_shutdown=JOIN_SECONDS,
-                                h11_max_incomplete_event_size=MAX_HEAD, server_header=False)
-        self._uvicorn = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._serve, args=(sock,), daemon=True, name="sinkflex-tools-server")
-        self._thread.start()
-        deadline = time.monotonic() + START_SECONDS
-        while not self._uvicorn.started and self._thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.001)
-        if not self._uvicorn.started:
-            self.stop()
-            raise RuntimeError("the tool server did not start")
-
-    def _serve(self, sock: socket.socket) -> None:
-        try:
-            self._uvicorn.run(sockets=[sock])  # not the main thread: uvicorn installs no signal handlers
-        finally:
-            sock.close()
+        self._runner = UvicornThread(self.app)
+        self.server_address = self._runner.server_address
 
     @property
     def url(self) -> str:
@@ -402,9 +423,7 @@ class ToolHTTPServer:
         Requests that arrive after this point are answered 503 until the listening socket is closed."""
         with self.lock:  # waits for the tool call in flight
             self._closing = True
-        self._uvicorn.should_exit = True
-        if threading.current_thread() is not self._thread:  # the server's own thread cannot wait for itself
-            self._thread.join(timeout=JOIN_SECONDS + 5)
+        self._runner.stop()
 
 
 def _weak_call(method) -> Callable[[str, dict], ToolResult]:
