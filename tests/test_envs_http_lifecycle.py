@@ -310,8 +310,8 @@ def test_the_request_models_accept_every_ground_truth_call_and_refuse_wrong_type
     from sinkflex_core.envs.airline_schemas import TOOL_SCHEMAS as AIRLINE_TOOLS
     from sinkflex_core.envs.airline_tasks import get_tasks as airline_tasks
     from sinkflex_core.envs.http_server import call_models
-    from sinkflex_core.envs.retail_tools import TOOL_SCHEMAS as RETAIL_TOOLS
     from sinkflex_core.envs.retail_tasks import get_tasks as retail_tasks
+    from sinkflex_core.envs.retail_tools import TOOL_SCHEMAS as RETAIL_TOOLS
 
     for schemas, tasks in ((RETAIL_TOOLS, retail_tasks(0, "test")), (AIRLINE_TOOLS, airline_tasks(0, "test"))):
         models = call_models(schemas)

@@ -65,6 +65,8 @@ def test_bad_calls_are_observations(env):
         (format_tool_call("reset_store", {}), "unknown tool 'reset_store'"),  # hidden from the agent
         (format_tool_call("nope", {}), "unknown tool 'nope'"),
         (format_tool_call("add_note", {"title": "t", "body": "b" * 3000}), "longer than 2000"),
+        ('<tool_call>{"name": "search_notes", "arguments": {"query": "a\\ud800"}}</tool_call>', "lone surrogate"),
+        (format_tool_call("get_note", {"note_id": 77}), "no note with id 77"),  # the session survived that
     ]:
         obs, reward, terminated, truncated, info = env.step(action)
         assert obs.startswith("Error") and expected in obs and not terminated, (action, obs)

@@ -91,3 +91,30 @@ def test_close_and_drop_leave_no_thread():
     with pytest.raises(ValueError, match="split must be one of"):
         gym.make("sinkflex/RetailMCP-v0", split="bogus")
     assert [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()] == []
+
+
+HOSTILE = [
+    '<tool_call>\n{"name": "find_user_id_by_email", "arguments": {"email": "a\\ud800@x.com"}}\n</tool_call>',
+    '<tool_call>\n{"name": "think", "arguments": {"thought": ' + "[" * 3000 + "]" * 3000 + '}}\n</tool_call>',
+    '<tool_call>\n{"name": "' + "é" * 12000 + '", "arguments": {}}\n</tool_call>',
+    '<tool_call>\n{"name": "think", "arguments": {"thought": ' + "9" * 5000 + '}}\n</tool_call>',
+    format_tool_call("think", {"thought": "y" * 60_000}),
+    format_tool_call("get_order_details", {"order_id": "#W" * 3000}),
+    format_tool_call("get_order_details", {"order_id": "#W1", "x": [1, {"a": None}]}),
+    format_tool_call("get_order_details", {"order_id": None}),
+    format_tool_call("calculate", {"expression": "1/0"}),
+    format_tool_call("think", {"thought": "\x00"}),
+]
+
+
+def test_hostile_calls_give_the_in_process_observations(pair):
+    """Including text that is not valid Unicode: it once ended the MCP session (every later call then
+    waited 30 s and failed); now the world's own check refuses it, as in process."""
+    remote, local = pair
+    for env in (remote, local):
+        env.reset(options={"task_index": 0})
+    for action in HOSTILE:
+        assert remote.step(action)[0] == local.step(action)[0], action[:80]
+    order = next(iter(WORLD.data.orders))
+    call = format_tool_call("get_order_details", {"order_id": order})
+    assert remote.step(call)[0] == local.step(call)[0]  # the session is still alive

@@ -14,6 +14,7 @@ the URL of a streamable-HTTP endpoint.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shlex
 import threading
@@ -30,6 +31,16 @@ TIMEOUT_SECONDS = 30.0
 
 class MCPError(RuntimeError):
     """The server could not be reached, did not answer in time, or broke the protocol."""
+
+
+def check_sendable(arguments) -> None:
+    """Raise :class:`MCPError` unless ``arguments`` can be written as UTF-8 JSON."""
+    try:
+        json.dumps(arguments, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise MCPError("the arguments are not valid Unicode text (a lone surrogate)") from err
+    except (ValueError, TypeError, RecursionError) as err:
+        raise MCPError("the arguments cannot be written as JSON") from err
 
 
 def _text_of(content) -> str:
@@ -151,7 +162,11 @@ class MCPConnection:
         raise MCPError("the MCP server listed more than 1,000 pages of tools")
 
     def call_result(self, name: str, arguments: dict):
-        """Call one tool; return the SDK's ``CallToolResult`` (``McpError`` for a protocol error)."""
+        """Call one tool; return the SDK's ``CallToolResult`` (``McpError`` for a protocol error).
+
+        Arguments that cannot be sent (text that is not valid Unicode, values that are not JSON) are
+        refused here: inside the SDK they would end the session instead of this one call."""
+        check_sendable(arguments)
         return self._request(lambda s: s.call_tool(name, arguments), f"the call of {name!r}")
 
     def call(self, name: str, arguments: dict) -> tuple[str, bool]:

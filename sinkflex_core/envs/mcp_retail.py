@@ -22,7 +22,7 @@ from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
 from .base import ToolResult
 from .http_server import UvicornThread, _weak_call
-from .mcp_client import MCPConnection, MCPError
+from .mcp_client import MCPConnection, MCPError, check_sendable
 from .retail import RetailBackend
 from .retail_tools import ToolError, check_tool_name
 
@@ -127,6 +127,13 @@ class MCPServedBackend:
             check_tool_name(name, self._names)
         except ToolError as err:
             return ToolResult(f"Error: {err}")
+        try:
+            check_sendable(arguments)
+        except MCPError:
+            # what cannot travel over MCP (a lone surrogate) the world's own check refuses in process,
+            # with the words the server would have used
+            with self.lock:
+                return super().call_tool(name, arguments)
         try:
             result = self.client.call_result(name, arguments)
         except MCPError as err:
