@@ -130,11 +130,27 @@ def test_a_server_given_by_url():
         proc.wait(timeout=30)
 
 
+def _children() -> set[str] | None:
+    """Process ids of this process's children (Linux), or None where /proc cannot tell."""
+    import os
+
+    try:
+        return {pid for t in os.listdir("/proc/self/task")
+                for pid in open(f"/proc/self/task/{t}/children").read().split()}
+    except OSError:
+        return None
+
+
 def test_close_ends_the_server_process_and_threads():
     before = {t.ident for t in threading.enumerate()}
+    children = _children()
     conn = MCPConnection(command=[sys.executable, "-m", SERVER_MODULE])
     assert conn.call("add_note", {"title": "a", "body": "b"}) == ('{"id": 1}', False)
+    if children is not None:
+        assert len(_children() - children) == 1
     conn.close()
+    if children is not None:
+        assert _children() == children  # the server process is gone
     conn.close()
     with pytest.raises(MCPError, match="closed"):
         conn.call("list_notes", {})
@@ -144,6 +160,7 @@ def test_close_ends_the_server_process_and_threads():
     del env
     gc.collect()
     assert [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()] == []
+    assert children is None or _children() == children
 
 
 def test_a_server_that_does_not_start_is_a_clear_error():

@@ -14,6 +14,7 @@ the URL of a streamable-HTTP endpoint.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import shlex
@@ -130,10 +131,7 @@ class MCPConnection:
     def _wait(self, future, what: str):
         try:
             return future.result(timeout=self.timeout)
-        except TimeoutError as err:  # concurrent.futures.TimeoutError is TimeoutError from Python 3.11
-            future.cancel()
-            raise MCPError(f"the MCP server did not answer {what} within {self.timeout:g} s") from err
-        except asyncio.TimeoutError as err:
+        except concurrent.futures.TimeoutError as err:  # not the built-in TimeoutError before Python 3.11
             future.cancel()
             raise MCPError(f"the MCP server did not answer {what} within {self.timeout:g} s") from err
 
