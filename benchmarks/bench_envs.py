@@ -94,7 +94,7 @@ def main() -> None:
 
     # the tools alone, without the environment's parsing and bookkeeping
     from sinkflex_core.envs.http_server import RetailHTTPBackend
-    from sinkflex_core.envs.mcp_retail import RetailMCPBackend
+    from sinkflex_core.envs.mcp_served import RetailMCPBackend
     from sinkflex_core.envs.retail import RetailBackend
 
     raw = {}

@@ -118,3 +118,21 @@ def test_hostile_calls_give_the_in_process_observations(pair):
     order = next(iter(WORLD.data.orders))
     call = format_tool_call("get_order_details", {"order_id": order})
     assert remote.step(call)[0] == local.step(call)[0]  # the session is still alive
+
+
+@pytest.mark.parametrize("task_index", [0, 3, 7])
+def test_the_airline_over_mcp_matches_in_process(task_index):
+    """The mixin serves any world: the airline's oracle episodes are the same over MCP."""
+    remote = gym.make("sinkflex/AirlineMCP-v0", split="test")
+    local = gym.make("sinkflex/Airline-v0", split="test")
+    try:
+        messages_mcp, reward_mcp, _ = run_episode(remote, OracleAgent(), task_index)
+        messages_local, reward_local, _ = run_episode(local, OracleAgent(), task_index)
+        assert messages_mcp == messages_local and reward_mcp == reward_local == 1.0
+        assert remote.unwrapped.backend.state_hash() == local.unwrapped.backend.state_hash()
+        assert {name for name, _ in remote.unwrapped.backend.served_calls} <= {
+            t["function"]["name"] for t in remote.unwrapped.backend.tools()}
+        assert len(remote.unwrapped.backend.served_calls) > 0
+    finally:
+        remote.close()
+        local.close()

@@ -4,7 +4,8 @@ Importing this package registers ``sinkflex/Retail-v0`` (a store simulator, stat
 ``sinkflex/RetailHTTP-v0`` (the same store, its tools served by an HTTP server on 127.0.0.1),
 ``sinkflex/BankSQL-v0`` (text-to-SQL over a small bank database), ``sinkflex/Airline-v0`` (an airline's
 reservations desk, state in SQLite), ``sinkflex/AirlineHTTP-v0`` (the airline over HTTP),
-``sinkflex/RetailMCP-v0`` (the store's tools served by an MCP server, called as an MCP client) and
+``sinkflex/RetailMCP-v0`` and ``sinkflex/AirlineMCP-v0`` (the worlds' tools served by an MCP server,
+called as an MCP client) and
 ``sinkflex/MCP-v0`` (any MCP server, with tasks and a verifier from a task file)::
 
     env = gymnasium.make("sinkflex/Retail-v0", split="train")
@@ -35,7 +36,7 @@ from .retail_world import RetailWorld, state_hash
 
 ENV_IDS = ("sinkflex/Retail-v0", "sinkflex/RetailHTTP-v0", "sinkflex/BankSQL-v0")
 AIRLINE_ENV_IDS = ("sinkflex/Airline-v0", "sinkflex/AirlineHTTP-v0")
-MCP_ENV_IDS = ("sinkflex/RetailMCP-v0", "sinkflex/MCP-v0")
+MCP_ENV_IDS = ("sinkflex/RetailMCP-v0", "sinkflex/AirlineMCP-v0", "sinkflex/MCP-v0")
 
 
 def make_retail_env(split: str = "train", max_turns: int = 30, world_seed: int = 0,
@@ -92,9 +93,22 @@ def make_retail_mcp_env(split: str = "train", max_turns: int = 30, world_seed: i
                         render_mode: str | None = None) -> ToolEnv:
     """``sinkflex/RetailMCP-v0``: the same store, its tools served by an MCP server (streamable HTTP on
     127.0.0.1) and called by the environment as an MCP client."""
-    from .mcp_retail import RetailMCPBackend
+    from .mcp_served import RetailMCPBackend
 
     backend = RetailMCPBackend(world_seed)
+    try:
+        return ToolEnv(backend, split=split, max_turns=max_turns, render_mode=render_mode)
+    except BaseException:
+        backend.close()
+        raise
+
+
+def make_airline_mcp_env(split: str = "train", max_turns: int = 30, world_seed: int = 0,
+                         render_mode: str | None = None) -> ToolEnv:
+    """``sinkflex/AirlineMCP-v0``: the airline, its tools served by an MCP server on 127.0.0.1."""
+    from .mcp_served import AirlineMCPBackend
+
+    backend = AirlineMCPBackend(world_seed)
     try:
         return ToolEnv(backend, split=split, max_turns=max_turns, render_mode=render_mode)
     except BaseException:
@@ -121,7 +135,8 @@ def make_mcp_env(command: list[str] | str | None = None, url: str | None = None,
 def _register() -> None:
     for env_id, entry in zip(ENV_IDS + AIRLINE_ENV_IDS + MCP_ENV_IDS,
                              ("make_retail_env", "make_retail_http_env", "make_bank_env", "make_airline_env",
-                              "make_airline_http_env", "make_retail_mcp_env", "make_mcp_env")):
+                              "make_airline_http_env", "make_retail_mcp_env", "make_airline_mcp_env",
+                              "make_mcp_env")):
         if env_id not in gym.registry:
             gym.register(env_id, entry_point=f"{__name__}:{entry}", disable_env_checker=False)
 
@@ -138,7 +153,7 @@ from .oracle import (  # noqa: E402
 )
 
 __all__ = [
-    "AIRLINE_ENV_IDS", "ENV_IDS", "MCP_ENV_IDS", "make_mcp_env", "make_retail_mcp_env", "MAX_TEXT_CHARS", "STOP", "DoNothingAgent", "evaluate_agent", "TOOL_NAMES", "WRITE_TOOLS", "Action", "AnyText", "Customer",
+    "AIRLINE_ENV_IDS", "ENV_IDS", "MCP_ENV_IDS", "make_airline_mcp_env", "make_mcp_env", "make_retail_mcp_env", "MAX_TEXT_CHARS", "STOP", "DoNothingAgent", "evaluate_agent", "TOOL_NAMES", "WRITE_TOOLS", "Action", "AnyText", "Customer",
     "OracleAgent", "RandomAgent", "RetailBackend", "RetailTools", "RetailWorld", "ScriptedCustomer",
     "ToolBackend", "ToolEnv", "ToolResult", "expected_hash", "expert_conversation", "format_tool_call",
     "get_tasks", "make_airline_env", "make_airline_http_env", "make_bank_env", "make_retail_env", "make_retail_http_env", "parse_action",

@@ -1,4 +1,4 @@
-"""``sinkflex/RetailMCP-v0``: a world's tools served by an MCP server (the official SDK's low-level
+"""``sinkflex/RetailMCP-v0`` and ``sinkflex/AirlineMCP-v0``: a world's tools served by an MCP server (the official SDK's low-level
 server over streamable HTTP, on 127.0.0.1 in a thread of the environment) and called by the
 environment as an MCP client (:class:`~sinkflex_core.envs.mcp_client.MCPConnection`).
 
@@ -20,6 +20,7 @@ import mcp.types as types
 from mcp.server.lowlevel import Server
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
+from .airline import AirlineBackend
 from .base import ToolResult
 from .http_server import UvicornThread, _weak_call
 from .mcp_client import MCPConnection, MCPError, check_sendable
@@ -158,3 +159,7 @@ class MCPServedBackend:
 
 class RetailMCPBackend(MCPServedBackend, RetailBackend):
     """The retail store with every tool call going through an MCP server (a real round trip)."""
+
+
+class AirlineMCPBackend(MCPServedBackend, AirlineBackend):
+    """The airline with every tool call going through an MCP server (``sinkflex/AirlineMCP-v0``)."""
