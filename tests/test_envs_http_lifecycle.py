@@ -228,3 +228,101 @@ def test_the_server_machinery_serves_any_backend():
     finally:
         backend.close()
     assert [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()] == []
+
+
+def test_close_waits_for_the_request_in_flight():
+    """Graceful shutdown: a tool call still running when close() starts gets its full answer, and the
+    server is gone afterwards."""
+    import time
+
+    from sinkflex_core.envs.http_server import RetailHTTPBackend, post_raw
+
+    started = threading.Event()
+
+    class SlowStore(RetailHTTPBackend):
+        def _serve_call(self, name, arguments):
+            if name == "think":
+                started.set()
+                time.sleep(0.5)
+            return super()._serve_call(name, arguments)
+
+    before = {t.ident for t in threading.enumerate()}
+    backend = SlowStore(0)
+    backend.reset("train", 0)
+    url = backend.url
+    answers = []
+    client = threading.Thread(target=lambda: answers.append(
+        post_raw(f"{url}/tools/think", b'{"arguments": {"thought": "slow"}}', {"Content-Type": "application/json"})))
+    client.start()
+    assert started.wait(30)
+    backend.close()
+    client.join(30)
+    assert answers == [(200, {"output": "ok", "done": False})]
+    assert [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()] == []
+    assert port_is_free(int(url.rsplit(":", 1)[1]))
+
+
+def test_the_openapi_document_has_each_tools_request_model():
+    """/openapi.json describes POST /tools/<name> for every tool with a request model generated from the
+    tool's JSON schema: same keys, same required keys, same types (nested objects included)."""
+    import httpx
+
+    from sinkflex_core.envs.airline_schemas import TOOL_SCHEMAS as AIRLINE_TOOLS
+    from sinkflex_core.envs.retail_tools import TOOL_SCHEMAS as RETAIL_TOOLS
+
+    def resolve(doc, node):
+        while "$ref" in node:
+            node = doc["components"]["schemas"][node["$ref"].rsplit("/", 1)[1]]
+        return node
+
+    def same_shape(doc, ours, theirs, where):
+        ours = resolve(doc, ours)
+        if "enum" in theirs:
+            assert ours.get("enum") == theirs["enum"], where
+            return
+        assert ours.get("type") == theirs["type"], (where, ours, theirs)
+        if theirs["type"] == "object":
+            assert set(ours["properties"]) == set(theirs["properties"]), where
+            assert set(ours.get("required", [])) == set(theirs.get("required", [])), where
+            for key, sub in theirs["properties"].items():
+                same_shape(doc, ours["properties"][key], sub, f"{where}.{key}")
+        elif theirs["type"] == "array":
+            same_shape(doc, ours["items"], theirs["items"], where + "[]")
+
+    for env_id, schemas in (("sinkflex/RetailHTTP-v0", RETAIL_TOOLS), ("sinkflex/AirlineHTTP-v0", AIRLINE_TOOLS)):
+        env = gym.make(env_id)
+        try:
+            doc = httpx.get(env.unwrapped.backend.url + "/openapi.json", timeout=30, trust_env=False).json()
+        finally:
+            env.close()
+        for tool in schemas:
+            fn = tool["function"]
+            op = doc["paths"][f"/tools/{fn['name']}"]["post"]
+            body = resolve(doc, op["requestBody"]["content"]["application/json"]["schema"])
+            same_shape(doc, body["properties"]["arguments"], fn["parameters"], fn["name"])
+            assert {"200", "404", "413", "422"} <= set(op["responses"])
+
+
+def test_the_request_models_accept_every_ground_truth_call_and_refuse_wrong_types():
+    import pydantic
+    import pytest
+
+    from sinkflex_core.envs.airline_schemas import TOOL_SCHEMAS as AIRLINE_TOOLS
+    from sinkflex_core.envs.airline_tasks import get_tasks as airline_tasks
+    from sinkflex_core.envs.http_server import call_models
+    from sinkflex_core.envs.retail_tasks import get_tasks as retail_tasks
+    from sinkflex_core.envs.retail_tools import TOOL_SCHEMAS as RETAIL_TOOLS
+
+    for schemas, tasks in ((RETAIL_TOOLS, retail_tasks(0, "test")), (AIRLINE_TOOLS, airline_tasks(0, "test"))):
+        models = call_models(schemas)
+        calls = [a for t in tasks for a in t["actions"]]
+        assert len(calls) > 20
+        for call in calls:
+            models[call["name"]].model_validate({"arguments": call["arguments"]})
+    models = call_models(RETAIL_TOOLS)
+    for bad in ({"order_id": 5}, {}, {"order_id": "#W1", "extra": 1}):
+        with pytest.raises(pydantic.ValidationError):
+            models["get_order_details"].model_validate({"arguments": bad})
+    airline = call_models(AIRLINE_TOOLS)
+    with pytest.raises(pydantic.ValidationError):
+        airline["send_certificate"].model_validate({"arguments": {"user_id": "x", "amount": 5000}})

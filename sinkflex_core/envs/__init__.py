@@ -1,11 +1,18 @@
 """Tool environments behind one Gymnasium interface.
 
-Importing this package registers ``sinkflex/Retail-v0`` (a store simulator, state in SQLite),
-``sinkflex/RetailHTTP-v0`` (the same store, its tools served by an HTTP server on 127.0.0.1),
-``sinkflex/BankSQL-v0`` (text-to-SQL over a small bank database), ``sinkflex/Airline-v0`` (an airline's
-reservations desk, state in SQLite), ``sinkflex/AirlineHTTP-v0`` (the airline over HTTP), and the
-executing environments ``sinkflex/Bash-v0`` (shell tasks) and ``sinkflex/CodeRepair-v0`` (fix a bug;
-hidden tests), whose commands run in a jail (:mod:`.sandbox`, :mod:`.sandbox_envs`)::
+Importing this package registers:
+
+- ``sinkflex/Retail-v0``: a store simulator (state in SQLite) with a scripted customer; its tools are
+  called in process. ``sinkflex/RetailHTTP-v0`` serves the same tools with FastAPI on 127.0.0.1 and
+  ``sinkflex/RetailMCP-v0`` with an MCP server; the agent sees the same episodes in all three.
+- ``sinkflex/Airline-v0``: an airline's reservations desk (state in SQLite), with the same two served
+  forms ``sinkflex/AirlineHTTP-v0`` and ``sinkflex/AirlineMCP-v0``.
+- ``sinkflex/BankSQL-v0``: answer a question about a bank database with read-only SQL.
+- ``sinkflex/Bash-v0`` (shell tasks) and ``sinkflex/CodeRepair-v0`` (fix a bug; hidden tests): commands
+  run for real, in a jail (:mod:`.sandbox`, :mod:`.sandbox_envs`).
+- ``sinkflex/MCP-v0``: any MCP server (a command or a URL), with tasks and a verifier from a task file.
+
+::
 
     env = gymnasium.make("sinkflex/Retail-v0", split="train")
     obs, info = env.reset(seed=0, options={"task_index": 3})
@@ -35,6 +42,18 @@ from .retail_world import RetailWorld, state_hash
 
 ENV_IDS = ("sinkflex/Retail-v0", "sinkflex/RetailHTTP-v0", "sinkflex/BankSQL-v0")
 AIRLINE_ENV_IDS = ("sinkflex/Airline-v0", "sinkflex/AirlineHTTP-v0")
+MCP_ENV_IDS = ("sinkflex/RetailMCP-v0", "sinkflex/AirlineMCP-v0", "sinkflex/MCP-v0")
+SANDBOX_ENV_IDS = ("sinkflex/Bash-v0", "sinkflex/CodeRepair-v0")
+
+
+def _env_around(backend, split: str, max_turns: int, render_mode: str | None) -> ToolEnv:
+    """The environment around a backend that already runs a server: a bad argument stops that server
+    instead of leaving its thread, process or socket behind."""
+    try:
+        return ToolEnv(backend, split=split, max_turns=max_turns, render_mode=render_mode)
+    except BaseException:
+        backend.close()
+        raise
 
 
 def make_retail_env(split: str = "train", max_turns: int = 30, world_seed: int = 0,
@@ -49,12 +68,7 @@ def make_retail_http_env(split: str = "train", max_turns: int = 30, world_seed: 
     """``sinkflex/RetailHTTP-v0``: the same store, tools served over HTTP on 127.0.0.1."""
     from .http_server import RetailHTTPBackend
 
-    backend = RetailHTTPBackend(world_seed)  # its server is running from here on
-    try:
-        return ToolEnv(backend, split=split, max_turns=max_turns, render_mode=render_mode)
-    except BaseException:  # a bad argument: stop the server instead of leaving its thread and socket behind
-        backend.close()
-        raise
+    return _env_around(RetailHTTPBackend(world_seed), split, max_turns, render_mode)
 
 
 def make_bank_env(split: str = "train", max_turns: int = 12, db_seed: int = 0,
@@ -79,33 +93,62 @@ def make_airline_http_env(split: str = "train", max_turns: int = 30, world_seed:
     """``sinkflex/AirlineHTTP-v0``: the airline, tools served over HTTP on 127.0.0.1."""
     from .airline_http import AirlineHTTPBackend
 
-    backend = AirlineHTTPBackend(world_seed)
-    try:
-        return ToolEnv(backend, split=split, max_turns=max_turns, render_mode=render_mode)
-    except BaseException:  # a bad argument: stop the server instead of leaving its thread and socket behind
-        backend.close()
-        raise
+    return _env_around(AirlineHTTPBackend(world_seed), split, max_turns, render_mode)
+
+
+def make_retail_mcp_env(split: str = "train", max_turns: int = 30, world_seed: int = 0,
+                        render_mode: str | None = None) -> ToolEnv:
+    """``sinkflex/RetailMCP-v0``: the same store, its tools served by an MCP server (streamable HTTP on
+    127.0.0.1) and called by the environment as an MCP client."""
+    from .mcp_served import RetailMCPBackend
+
+    return _env_around(RetailMCPBackend(world_seed), split, max_turns, render_mode)
+
+
+def make_airline_mcp_env(split: str = "train", max_turns: int = 30, world_seed: int = 0,
+                         render_mode: str | None = None) -> ToolEnv:
+    """``sinkflex/AirlineMCP-v0``: the airline, its tools served by an MCP server on 127.0.0.1."""
+    from .mcp_served import AirlineMCPBackend
+
+    return _env_around(AirlineMCPBackend(world_seed), split, max_turns, render_mode)
+
+
+def make_mcp_env(command: list[str] | str | None = None, url: str | None = None, tasks=None, checker=None,
+                 split: str = "train", max_turns: int = 20, fresh_server: bool | None = None,
+                 env: dict | None = None, timeout: float = 30.0, render_mode: str | None = None) -> ToolEnv:
+    """``sinkflex/MCP-v0``: any MCP server (``command`` for stdio, ``url`` for streamable HTTP) with the
+    tasks and verifier of a task file (:mod:`.mcp_env`); without a server, the shipped notes example."""
+    from .mcp_env import MCPBackend
+
+    backend = MCPBackend(command=command, url=url, tasks=tasks, checker=checker, fresh_server=fresh_server,
+                         env=env, timeout=timeout)
+    return _env_around(backend, split, max_turns, render_mode)
+
+
+# env id -> entry point (a function of this package, or module:function)
+_ENTRY_POINTS = {
+    "sinkflex/Retail-v0": "make_retail_env",
+    "sinkflex/RetailHTTP-v0": "make_retail_http_env",
+    "sinkflex/BankSQL-v0": "make_bank_env",
+    "sinkflex/Airline-v0": "make_airline_env",
+    "sinkflex/AirlineHTTP-v0": "make_airline_http_env",
+    "sinkflex/RetailMCP-v0": "make_retail_mcp_env",
+    "sinkflex/AirlineMCP-v0": "make_airline_mcp_env",
+    "sinkflex/MCP-v0": "make_mcp_env",
+    "sinkflex/Bash-v0": "sandbox_envs:make_bash_env",
+    "sinkflex/CodeRepair-v0": "sandbox_envs:make_code_repair_env",
+}
 
 
 def _register() -> None:
-    for env_id, entry in zip(ENV_IDS + AIRLINE_ENV_IDS, ("make_retail_env", "make_retail_http_env", "make_bank_env",
-                                       "make_airline_env", "make_airline_http_env")):
+    for env_id, entry in _ENTRY_POINTS.items():
+        module, _, function = entry.rpartition(":")
         if env_id not in gym.registry:
-            gym.register(env_id, entry_point=f"{__name__}:{entry}", disable_env_checker=False)
+            gym.register(env_id, entry_point=f"{__name__}{'.' + module if module else ''}:{function}",
+                         disable_env_checker=False)
 
 
 _register()
-
-SANDBOX_ENV_IDS = ("sinkflex/Bash-v0", "sinkflex/CodeRepair-v0")
-
-
-def _register_sandbox() -> None:
-    for env_id, entry in zip(SANDBOX_ENV_IDS, ("make_bash_env", "make_code_repair_env")):
-        if env_id not in gym.registry:
-            gym.register(env_id, entry_point=f"{__name__}.sandbox_envs:{entry}", disable_env_checker=False)
-
-
-_register_sandbox()
 
 from .oracle import (  # noqa: E402
     DoNothingAgent,
@@ -117,7 +160,7 @@ from .oracle import (  # noqa: E402
 )
 
 __all__ = [
-    "AIRLINE_ENV_IDS", "ENV_IDS", "MAX_TEXT_CHARS", "STOP", "DoNothingAgent", "evaluate_agent", "TOOL_NAMES", "WRITE_TOOLS", "Action", "AnyText", "Customer",
+    "AIRLINE_ENV_IDS", "ENV_IDS", "MCP_ENV_IDS", "SANDBOX_ENV_IDS", "make_airline_mcp_env", "make_mcp_env", "make_retail_mcp_env", "MAX_TEXT_CHARS", "STOP", "DoNothingAgent", "evaluate_agent", "TOOL_NAMES", "WRITE_TOOLS", "Action", "AnyText", "Customer",
     "OracleAgent", "RandomAgent", "RetailBackend", "RetailTools", "RetailWorld", "ScriptedCustomer",
     "ToolBackend", "ToolEnv", "ToolResult", "expected_hash", "expert_conversation", "format_tool_call",
     "get_tasks", "make_airline_env", "make_airline_http_env", "make_bank_env", "make_retail_env", "make_retail_http_env", "parse_action",

@@ -1,213 +1,414 @@
-"""Tools served by a real HTTP server on 127.0.0.1 (``sinkflex/RetailHTTP-v0``).
+"""Tools served over HTTP by FastAPI on uvicorn, on 127.0.0.1 (``sinkflex/RetailHTTP-v0``,
+``sinkflex/AirlineHTTP-v0``).
 
-API (JSON in, JSON out; every answer, errors included, is a JSON object):
+API (JSON in, JSON out; every answer, errors included, is a JSON object; ``/openapi.json`` describes it):
 
-- ``GET /tools`` -> ``200 {"tools": [schemas]}``
+- ``GET /tools`` -> ``200 {"tools": [schemas]}``; ``GET /health`` -> ``200 {"ok": true}``
 - ``POST /tools/<name>`` with body ``{"arguments": {...}}`` -> ``200 {"output": "...", "done": bool}``
-  (a tool's refusal is a normal ``"Error: ..."`` output), ``400`` malformed JSON or body, ``404``
-  unknown path or tool, ``411`` no Content-Length, ``413`` body too large, ``414`` request line too
-  long, ``415`` not JSON, ``422`` arguments that do not fit the tool's schema, ``405`` other methods,
-  ``503`` the environment is closing.
+  (a tool's refusal is a normal ``"Error: ..."`` output), ``400`` malformed JSON, body or HTTP,
+  ``404`` unknown path or tool, ``405`` other methods, ``408`` body not sent in time, ``411`` no
+  Content-Length, ``413`` body too large, ``415`` not JSON, ``422`` arguments that do not fit the
+  tool's schema, ``431`` request head too large, ``500`` a bug in a tool, ``503`` the environment
+  is closing.
 
-The server binds to loopback only, on a port the OS picks. :class:`ToolHTTPServer` serves any tool
-set; :class:`HTTPServedBackend` puts it in front of any backend (mix it in before the backend class,
-as :class:`RetailHTTPBackend` does): the environment's own tool calls then travel over HTTP like an
-agent framework's would, resets and closes wait for the request in flight, and ``close()`` (or the
-garbage collector, for an environment nobody closed) stops every thread and frees the port.
+The request body of each tool is a pydantic model generated from the tool's JSON schema (the one the
+agent sees), so the OpenAPI document shows exactly what an agent may send. The arguments themselves are
+checked by the same checker the in-process environment uses, so that an HTTP environment gives the
+agent the same error text, word for word.
+
+:class:`ToolHTTPServer` serves any tool set from a uvicorn server running in a thread of its own;
+:class:`HTTPServedBackend` puts it in front of any backend (mix it in before the backend class, as
+:class:`RetailHTTPBackend` does): the environment's own tool calls then travel over HTTP (an
+``httpx.Client`` kept alive, like an agent framework's), resets and closes wait for the request in
+flight, and ``close()`` (or the garbage collector, for an environment nobody closed) stops the server
+thread and frees the port.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
-import http.client
 import json
+import re
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 import weakref
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import quote, unquote
+from functools import lru_cache
+from typing import Annotated, Any, Literal
+
+import h11
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, create_model
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .base import ToolResult
 from .retail import RetailBackend
 from .retail_tools import ToolError, check_arguments, check_tool_name
 
 MAX_BODY = 64 * 1024
-# How long close() waits for a request that is running a tool; tools answer in milliseconds.
+# Request line and headers together; h11 refuses a larger head with 431.
+MAX_HEAD = 64 * 1024
+MAX_HEADERS = 100
+# A client that sends less body than its Content-Length announces is answered 408 after this long.
+READ_SECONDS = 5.0
+# How long close() waits for requests in flight; tools answer in milliseconds.
 JOIN_SECONDS = 10.0
+START_SECONDS = 20.0
+
+# ----------------------------------------------------------------------------------------------
+# Models generated from the tool schemas
+# ----------------------------------------------------------------------------------------------
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server_version = "sinkflex-tools/1"
-    disable_nagle_algorithm = True  # header and body go out as two writes: no 40 ms delayed-ACK stall
-    timeout = 5  # a client that sends less than its Content-Length cannot hold a thread forever
-    protocol_version = "HTTP/1.1"
-    server: ToolHTTPServer
+class ToolAnswer(BaseModel):
+    """What a tool call returns: the observation text and whether it ends the episode."""
 
-    def log_message(self, format, *args):  # noqa: A002 - keep the test output clean
-        pass
+    output: str
+    done: bool = False
 
-    # A connection is busy from the moment its request line is parsed (or an error answer starts)
-    # until the answer is out; stop() ends idle connections at once and lets busy ones finish, so
-    # that no client ever gets half an answer.
-    def handle_one_request(self):
-        try:
-            super().handle_one_request()
-        finally:
-            if self.server.mark_connection(self.connection, busy=False):
-                self.close_connection = True
 
-    def parse_request(self):
-        closing = self.server.mark_connection(self.connection, busy=True)
-        ok = super().parse_request()
-        if closing:
-            self.close_connection = True
-        return ok
+class ErrorAnswer(BaseModel):
+    """Every answer other than 200: a sentence saying what was wrong."""
 
-    def send_error(self, code, message=None, explain=None):
-        # The base class answers with an HTML page; clients of this API read JSON only. An unknown
-        # method (501) and a bad HTTP version (505) are the client's fault, so they become 4xx.
-        code = {501: 405, 505: 400}.get(code, code)
-        if self.request_version == "HTTP/0.9":  # not parsed yet: answer with a full status line anyway
-            self.request_version = "HTTP/1.0"
-        self.close_connection = True
-        reason = message or self.responses.get(code, ("error",))[0]
-        self._send(code, {"error": reason})
+    error: str
 
-    def _send(self, code: int, payload: dict) -> None:
-        self.server.mark_connection(self.connection, busy=True)
-        # logged before the answer leaves, so that a client that has its answer also sees the entry
-        self.server.log_request_done(str(self.command), getattr(self, "path", ""), code)
-        body = json.dumps(payload, separators=(",", ":")).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
 
-    def do_GET(self):
-        if self.path == "/tools":
-            self._send(200, {"tools": self.server.schemas})
-        elif self.path == "/health":
-            self._send(200, {"ok": True})
-        else:
-            self._send(404, {"error": "not found"})
+class ToolList(BaseModel):
+    tools: list[dict[str, Any]]
 
-    def do_POST(self):
-        if not self.path.startswith("/tools/"):
-            return self._send(404, {"error": "not found"})
-        name = unquote(self.path[len("/tools/"):])
-        length = self.headers.get("Content-Length")
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in re.split(r"[^0-9A-Za-z]+", name) if part) or "Tool"
+
+
+_SCALARS = {"string": str, "integer": int, "number": float, "boolean": bool}
+
+
+def _annotation(spec: dict, hint: str):
+    """The pydantic type for one JSON schema node (``hint`` names nested models)."""
+    kind = spec.get("type")
+    if "enum" in spec:
+        return Literal[tuple(spec["enum"])]
+    if kind in _SCALARS:
+        bounds = {k: spec[j] for k, j in (("max_length", "maxLength"), ("min_length", "minLength"),
+                                          ("ge", "minimum"), ("le", "maximum")) if j in spec}
+        return Annotated[_SCALARS[kind], Field(**bounds)] if bounds else _SCALARS[kind]
+    if kind == "array":
+        item = _annotation(spec.get("items", {}), hint + "Item")
+        return Annotated[list[item], Field(max_length=spec["maxItems"])] if "maxItems" in spec else list[item]
+    if kind == "object" and "properties" in spec:
+        return model_from_schema(hint, spec)
+    return Any
+
+
+def model_from_schema(name: str, spec: dict) -> type[BaseModel]:
+    """A pydantic model with the properties, types, bounds and required keys of JSON schema ``spec``.
+
+    Fields carry the schema's key as their alias, so a key that is no Python name (or that a
+    ``BaseModel`` attribute already uses) survives unchanged in the model's own JSON schema."""
+    required = set(spec.get("required", ()))
+    fields = {}
+    for i, (key, sub) in enumerate(spec.get("properties", {}).items()):
+        ann = _annotation(sub, name + _camel(key))
+        default = ... if key in required else None
+        fields[f"field_{i}"] = (ann, Field(default, alias=key, description=sub.get("description")))
+    return create_model(name, __config__=ConfigDict(extra="forbid", populate_by_name=False), **fields)
+
+
+@lru_cache(maxsize=16)
+def _call_models(schemas_json: str) -> dict[str, type[BaseModel]]:
+    models = {}
+    for tool in json.loads(schemas_json):
+        fn = tool["function"]
+        args = model_from_schema(_camel(fn["name"]) + "Arguments", fn["parameters"])
+        models[fn["name"]] = create_model(_camel(fn["name"]) + "Call", __config__=ConfigDict(extra="forbid"),
+                                          arguments=(args, Field(default_factory=dict)))
+    return models
+
+
+def call_models(schemas: list[dict]) -> dict[str, type[BaseModel]]:
+    """For each tool, the model of its request body ``{"arguments": {...}}`` (cached per tool set)."""
+    return _call_models(json.dumps(schemas, sort_keys=True))
+
+
+# ----------------------------------------------------------------------------------------------
+# The application
+# ----------------------------------------------------------------------------------------------
+
+
+def _error(status: int, message: str, close: bool = False) -> JSONResponse:
+    return JSONResponse({"error": message}, status, headers={"Connection": "close"} if close else None)
+
+
+def build_app(server: ToolHTTPServer) -> FastAPI:
+    """The FastAPI application that serves ``server``'s tools (one route per tool)."""
+    app = FastAPI(title="sinkflex tools", version="1", docs_url=None, redoc_url=None,
+                  description="The tools of one environment; each call acts on the episode that is running.")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException):
+        # a request the API does not know ends its connection, as a malformed one does
+        return _error(err.status_code, str(err.detail).lower(), close=True)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, err: RequestValidationError):
+        return _error(400, "malformed request")
+
+    @app.get("/tools", response_model=ToolList)
+    async def list_tools():
+        return JSONResponse({"tools": server.schemas})
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({"ok": True})
+
+    errors = {code: {"model": ErrorAnswer} for code in (400, 404, 408, 411, 413, 415, 422, 500, 503)}
+    models = call_models(server.schemas)
+    for tool in server.schemas:
+        name = tool["function"]["name"]
+        ref = {"$ref": f"#/components/schemas/{models[name].__name__}"}
+        app.add_api_route(
+            f"/tools/{name}", _tool_endpoint(server, name), methods=["POST"], response_model=ToolAnswer,
+            responses=errors, name=name, summary=tool["function"].get("description", ""),
+            openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}})
+
+    async def unknown_tool(request: Request):
+        return _error(404, f"unknown tool {request.path_params['name'][:60]!r}")
+
+    app.add_api_route("/tools/{name:path}", unknown_tool, methods=["POST"], include_in_schema=False)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            components = doc.setdefault("components", {}).setdefault("schemas", {})
+            for model in models.values():
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(js.pop("$defs", {}))
+                components[model.__name__] = js
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi
+    return _guarded(app, server)
+
+
+def _tool_endpoint(server: ToolHTTPServer, name: str):
+    async def call(request: Request) -> Response:
+        length = request.headers.get("content-length")
         if length is None:
-            self.close_connection = True
-            return self._send(411, {"error": "Content-Length required"})
+            return _error(411, "Content-Length required", close=True)
         try:
-            length = int(length)
+            size = int(length)
         except ValueError:
-            self.close_connection = True
-            return self._send(400, {"error": "bad Content-Length"})
-        if length < 0 or length > MAX_BODY:
-            self.close_connection = True
-            return self._send(413, {"error": f"body larger than {MAX_BODY} bytes"})
-        raw = self.rfile.read(length)
-        ctype = self.headers.get("Content-Type", "")
-        if not ctype.startswith("application/json"):
-            return self._send(415, {"error": "Content-Type must be application/json"})
+            return _error(400, "bad Content-Length", close=True)
+        if size < 0 or size > MAX_BODY:
+            return _error(413, f"body larger than {MAX_BODY} bytes", close=True)
+        if not request.headers.get("content-type", "").startswith("application/json"):
+            return _error(415, "Content-Type must be application/json")
+        try:
+            raw = await asyncio.wait_for(request.body(), READ_SECONDS)
+        except asyncio.TimeoutError:
+            return _error(408, f"the body did not arrive within {READ_SECONDS:g} s", close=True)
+        except ClientDisconnect:
+            return _error(400, "the client went away", close=True)
         try:
             body = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError):  # ValueError: also a 5,000-digit integer
-            return self._send(400, {"error": "body is not valid JSON (or nested too deeply, or a number too long)"})
+            return _error(400, "body is not valid JSON (or nested too deeply, or a number too long)")
         if not isinstance(body, dict) or not isinstance(body.get("arguments", {}), dict):
-            return self._send(400, {"error": "body must be {\"arguments\": {...}}"})
+            return _error(400, 'body must be {"arguments": {...}}')
         arguments = body.get("arguments", {})
         try:
-            check_arguments(name, arguments, self.server.schemas_by_name)
+            check_arguments(name, arguments, server.schemas_by_name)
         except ToolError as err:
-            return self._send(422 if name in self.server.schemas_by_name else 404, {"error": str(err)})
+            return _error(422, str(err))
         try:
-            result = self.server.call_tool(name, arguments)
+            result = server.call_tool(name, arguments)
         except Exception as err:  # noqa: BLE001 - a tool's bug must still answer the client in JSON
-            return self._send(500, {"error": f"the tool failed: {type(err).__name__}"})
+            return _error(500, f"the tool failed: {type(err).__name__}")
         if result is None:
-            self.close_connection = True
-            return self._send(503, {"error": "the environment is closing"})
-        self._send(200, {"output": result.output, "done": result.done})
+            return _error(503, "the environment is closing", close=True)
+        return JSONResponse({"output": result.output, "done": result.done})
 
-    def _reject(self):
-        self._send(405, {"error": "method not allowed"})
-
-    do_PUT = do_DELETE = do_PATCH = do_HEAD = _reject
+    call.__name__ = f"call_{name}"
+    return call
 
 
-class ToolHTTPServer(ThreadingHTTPServer):
+def _guarded(app: FastAPI, server: ToolHTTPServer):
+    """The ASGI application around ``app``: refuses what h11 lets through but this API does not speak
+    (other HTTP versions, too many headers) and logs each answer before it leaves, so that a client
+    holding its answer also sees the log entry."""
+
+    async def plain(send, status: int, message: str) -> None:
+        body = json.dumps({"error": message}).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def guarded(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+
+        async def logged(message):
+            if message["type"] == "http.response.start":
+                server.request_log.append((scope["method"], scope["path"][:200], message["status"]))
+            await send(message)
+
+        if scope["http_version"] not in ("1.0", "1.1"):
+            return await plain(logged, 400, f"HTTP/{scope['http_version'][:10]} is not supported")
+        if len(scope["headers"]) > MAX_HEADERS:
+            return await plain(logged, 431, f"more than {MAX_HEADERS} header lines")
+        await app(scope, receive, logged)
+
+    guarded.openapi = app.openapi  # reachable for tests and tools that want the document in process
+    return guarded
+
+
+class _OneWriteTransport:
+    """A transport that holds an answer's pieces (head, body) and sends them in one write when the
+    answer is complete. Each separate write wakes the client, which (in the same process) then
+    competes with the server thread for the GIL: one write per answer doubles tool calls per second."""
+
+    def __init__(self, transport):
+        self._transport = transport
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self._pending.append(data)
+        if data.startswith(b"HTTP/1.1 100 ") or sum(map(len, self._pending)) > 65536:  # 100 Continue: now
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending:
+            data, self._pending = b"".join(self._pending), []
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+
+class _JSONErrorProtocol(H11Protocol):
+    """uvicorn's h11 protocol, answering requests that are not HTTP with JSON (uvicorn's own answer
+    is text) and with h11's status (400, or 431 for a head that is too large); each answer leaves in
+    one write (:class:`_OneWriteTransport`)."""
+
+    def connection_made(self, transport):
+        super().connection_made(_OneWriteTransport(transport))
+        # uvicorn writes an answer's head and body separately: without TCP_NODELAY the body waits for
+        # the client's delayed ACK (40 ms). asyncio sets it only on sockets made with IPPROTO_TCP.
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._bad_status = 400
+        next_event = self.conn.next_event
+
+        def recording_next_event():
+            try:
+                return next_event()
+            except h11.RemoteProtocolError as err:
+                self._bad_status = err.error_status_hint
+                raise
+
+        self.conn.next_event = recording_next_event
+
+    def on_response_complete(self) -> None:
+        self.transport.flush()
+        super().on_response_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        status = self._bad_status if 400 <= self._bad_status < 500 else 400
+        body = json.dumps({"error": "malformed HTTP request" if status == 400 else "request head too large"}).encode()
+        reason = "Bad Request" if status == 400 else "Request Header Fields Too Large" if status == 431 else "Error"
+        head = f"HTTP/1.1 {status} {reason}\r\n".encode()
+        head += b"content-type: application/json\r\nconnection: close\r\ncontent-length: " + str(len(body)).encode()
+        self.transport.write(head + b"\r\n\r\n" + body)
+        self.transport.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# The server
+# ----------------------------------------------------------------------------------------------
+
+
+class UvicornThread:
+    """An ASGI application served by uvicorn on 127.0.0.1 (a port the OS picks) in a thread of its own,
+    from construction to :meth:`stop`. uvicorn installs no signal handlers outside the main thread."""
+
+    def __init__(self, app, lifespan: str = "off", name: str = "sinkflex-tools-server"):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.server_address = sock.getsockname()[:2]
+        config = uvicorn.Config(app, http=_JSONErrorProtocol, lifespan=lifespan, log_config=None,
+                                log_level="critical", access_log=False, timeout_graceful_shutdown=JOIN_SECONDS,
+                                h11_max_incomplete_event_size=MAX_HEAD, server_header=False)
+        self._uvicorn = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._serve, args=(sock,), daemon=True, name=name)
+        self._thread.start()
+        deadline = time.monotonic() + START_SECONDS
+        while not self._uvicorn.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if not self._uvicorn.started:
+            self.stop()
+            raise RuntimeError("the server did not start")
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            self._uvicorn.run(sockets=[sock])
+        finally:
+            sock.close()
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address
+        return f"http://{host}:{port}"
+
+    def stop(self) -> None:
+        """Stop accepting, let requests in flight finish (up to ``JOIN_SECONDS``), end the thread. Idempotent."""
+        self._uvicorn.should_exit = True
+        if threading.current_thread() is not self._thread:  # the server's own thread cannot wait for itself
+            self._thread.join(timeout=JOIN_SECONDS + 5)
+
+
+class ToolHTTPServer:
     """Serves ``call_tool(name, arguments) -> ToolResult`` for the tools in ``schemas`` on 127.0.0.1.
 
     Tool calls run one at a time under :attr:`lock`; whoever changes or closes what the tools work on
-    (a reset replacing the database) takes the same lock. Every connection runs in a thread the server
-    tracks, so :meth:`stop` can end keep-alive connections and wait for the request in flight.
-    :attr:`request_log` keeps ``(method, path, status)`` of the latest answered requests.
+    (a reset replacing the database) takes the same lock. The server runs uvicorn in a thread of its
+    own, from construction to :meth:`stop`. :attr:`request_log` keeps ``(method, path, status)`` of
+    the latest answered requests.
     """
 
-    daemon_threads = True
-
     def __init__(self, schemas: list[dict], call_tool: Callable[[str, dict], ToolResult]):
-        super().__init__(("127.0.0.1", 0), _Handler)
         self.schemas = schemas
         self.schemas_by_name = {t["function"]["name"]: t["function"]["parameters"] for t in schemas}
         self._call = call_tool
         self.lock = threading.Lock()
         self.request_log: collections.deque = collections.deque(maxlen=1000)
         self._closing = False
-        self._conns: dict[socket.socket, list] = {}  # socket -> [thread, busy]
-        self._conns_lock = threading.Lock()
-        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
-                                        name="sinkflex-tools-server")
-        self._thread.start()
+        self.app = build_app(self)
+        self._runner = UvicornThread(self.app)
+        self.server_address = self._runner.server_address
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
+        host, port = self.server_address
         return f"http://{host}:{port}"
-
-    def process_request(self, request, client_address):
-        thread = threading.Thread(target=self._serve_connection, args=(request, client_address), daemon=True,
-                                  name="sinkflex-tools-request")
-        with self._conns_lock:
-            if self._closing:
-                self.shutdown_request(request)
-                return
-            self._conns[request] = [thread, False]
-        thread.start()
-
-    def mark_connection(self, sock: socket.socket, busy: bool) -> bool:
-        """Record whether ``sock`` is in the middle of a request; return whether the server is closing."""
-        with self._conns_lock:
-            entry = self._conns.get(sock)
-            if entry is not None:
-                entry[1] = busy
-            return self._closing
-
-    def _serve_connection(self, request, client_address) -> None:
-        try:
-            self.finish_request(request, client_address)
-        except (OSError, ValueError):  # the client went away, or stop() shut the socket under the handler
-            pass
-        finally:
-            with self._conns_lock:
-                self._conns.pop(request, None)
-            self.shutdown_request(request)
-
-    def handle_error(self, request, client_address):  # only reached for errors outside _serve_connection
-        pass
-
-    def log_request_done(self, method: str, path: str, status: int) -> None:
-        self.request_log.append((method, path[:200], status))
 
     def call_tool(self, name: str, arguments: dict) -> ToolResult | None:
         """Run one tool call under the lock; ``None`` once the server is closing."""
@@ -217,37 +418,12 @@ class ToolHTTPServer(ThreadingHTTPServer):
             return self._call(name, arguments)
 
     def stop(self) -> None:
-        """Stop accepting, end every open connection, wait for their threads, free the port. Idempotent."""
-        with self._conns_lock:
-            if self._closing and self.socket.fileno() == -1:
-                return
+        """Refuse new tool calls, let requests in flight finish, stop the thread, free the port. Idempotent.
+
+        Requests that arrive after this point are answered 503 until the listening socket is closed."""
+        with self.lock:  # waits for the tool call in flight
             self._closing = True
-        me = threading.current_thread()
-        if me is not self._thread:
-            self.shutdown()  # serve_forever returns (it cannot wait for itself)
-        self.server_close()
-        with self._conns_lock:
-            threads = [thread for thread, _ in self._conns.values()]
-            idle = [sock for sock, (_, busy) in self._conns.items() if not busy]
-            for sock in idle:  # a keep-alive handler waiting for its next request reads end-of-file
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-        deadline = time.monotonic() + JOIN_SECONDS
-        for thread in threads:  # busy ones finish their answer, then see the server closing
-            if thread is not me:
-                thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        with self._conns_lock:  # a client still trickling its request in after that is cut off
-            late = [(sock, thread) for sock, (thread, _) in self._conns.items() if thread is not me]
-        for sock, thread in late:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            thread.join(timeout=1.0)
-        if me is not self._thread:
-            self._thread.join(timeout=JOIN_SECONDS)
+        self._runner.stop()
 
 
 def _weak_call(method) -> Callable[[str, dict], ToolResult]:
@@ -264,12 +440,20 @@ def _weak_call(method) -> Callable[[str, dict], ToolResult]:
     return call
 
 
-def _shut(server: ToolHTTPServer, client: http.client.HTTPConnection) -> None:
+def _transport() -> httpx.HTTPTransport:
+    # httpx writes a request's head and body separately: without TCP_NODELAY the body waits for the
+    # server's delayed ACK (40 ms a call on Linux)
+    return httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+                               limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+
+
+_JSON_HEADERS = [(b"Content-Type", b"application/json")]
+_TIMEOUTS = httpx.Timeout(JOIN_SECONDS).as_dict()
+
+
+def _shut(server: ToolHTTPServer, client: httpx.Client) -> None:
     client.close()
-    if threading.current_thread().name == "sinkflex-tools-request":  # collected inside a request thread
-        threading.Thread(target=server.stop, daemon=True).start()
-    else:
-        server.stop()
+    server.stop()
 
 
 class HTTPServedBackend:
@@ -289,10 +473,14 @@ class HTTPServedBackend:
         self._schemas = self.tools()
         self._names = {t["function"]["name"]: t["function"]["parameters"] for t in self._schemas}
         self.server = ToolHTTPServer(self._schemas, _weak_call(self._serve_call))
-        host, port = self.server.server_address[:2]
-        # keep-alive connection reused across calls, like an agent framework's HTTP client would
-        self._client = http.client.HTTPConnection(host, port, timeout=10)
-        self._finalizer = weakref.finalize(self, _shut, self.server, self._client)
+        # One keep-alive connection reused across calls, like an agent framework's HTTP client. Tool
+        # calls go straight to the client's transport: httpx.Client's cookie, redirect and event-hook
+        # handling doubles the cost of a call and none of it applies here.
+        self._transport = _transport()
+        self.http = httpx.Client(base_url=self.server.url, timeout=JOIN_SECONDS, trust_env=False,
+                                 transport=self._transport)
+        self._call_url = {name: httpx.URL(f"{self.server.url}/tools/{name}") for name in self._names}
+        self._finalizer = weakref.finalize(self, _shut, self.server, self.http)
 
     def _serve_call(self, name: str, arguments: dict) -> ToolResult:
         """What the server runs for a request: the backend's in-process tool call."""
@@ -322,23 +510,23 @@ class HTTPServedBackend:
             return ToolResult("Error: the arguments cannot be written as JSON")
         if len(body) > MAX_BODY:
             return ToolResult(f"Error: the arguments are larger than {MAX_BODY} bytes")
-        path = "/tools/" + quote(name, safe="")
-        status, raw = None, b""
         for attempt in range(2):
             try:
-                self._client.request("POST", path, body=body, headers={"Content-Type": "application/json"})
-                resp = self._client.getresponse()
-                status, raw = resp.status, resp.read()
-                break
-            except (http.client.HTTPException, OSError) as err:
-                self._client.close()  # the server closed a kept-alive connection: reconnect once
+                request = httpx.Request("POST", self._call_url[name], content=body, headers=_JSON_HEADERS,
+                                        extensions={"timeout": _TIMEOUTS})
+                resp = self._transport.handle_request(request)
+                try:
+                    return _result_from_answer(resp.status_code, resp.read())
+                finally:
+                    resp.close()
+            except httpx.TransportError as err:  # the server closed a kept-alive connection: once more
                 if attempt:
                     return ToolResult(f"Error: the tool server did not answer ({type(err).__name__})")
-        return _result_from_answer(status, raw)
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         if getattr(self, "server", None) is not None:
-            self._finalizer()  # stops the server and its threads, once
+            self._finalizer()  # stops the server and its thread, once
             with self.server.lock:
                 super().close()
             self.server = None
@@ -364,11 +552,8 @@ class RetailHTTPBackend(HTTPServedBackend, RetailBackend):
     """The retail store with every tool call going through the HTTP server (a real round trip)."""
 
 
-def post_raw(url: str, data: bytes, headers: dict | None = None, method: str = "POST") -> tuple[int, dict]:
+def post_raw(url: str, data: bytes | None, headers: dict | None = None, method: str = "POST") -> tuple[int, dict]:
     """Send one raw request (for tests and demos); return ``(status, json body)``."""
-    req = urllib.request.Request(url, data=data, headers=headers or {}, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"{}")
+    with httpx.Client(timeout=10, trust_env=False, transport=_transport()) as client:
+        resp = client.request(method, url, content=data, headers=headers or {})
+    return resp.status_code, json.loads(resp.content or b"{}")

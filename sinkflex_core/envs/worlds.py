@@ -32,7 +32,8 @@ class World:
 _RETAIL = World("retail", ".retail_tasks", ".retail")
 _AIRLINE = World("airline", ".airline_tasks", ".airline")
 WORLDS = {"sinkflex/Retail-v0": _RETAIL, "sinkflex/RetailHTTP-v0": _RETAIL,
-          "sinkflex/Airline-v0": _AIRLINE, "sinkflex/AirlineHTTP-v0": _AIRLINE}
+          "sinkflex/RetailMCP-v0": _RETAIL,
+          "sinkflex/Airline-v0": _AIRLINE, "sinkflex/AirlineHTTP-v0": _AIRLINE, "sinkflex/AirlineMCP-v0": _AIRLINE}
 
 
 def world_of(env_id: str) -> World:

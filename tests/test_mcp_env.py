@@ -1,0 +1,172 @@
+"""``sinkflex/MCP-v0`` over the shipped notes server (FastMCP, SQLite, started over stdio and over
+streamable HTTP): tools listed from the server, calls forwarded, rewards from Python and command
+verifiers, and nothing left running after close."""
+
+from __future__ import annotations
+
+import gc
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import gymnasium as gym
+import pytest
+
+import sinkflex_core  # noqa: F401  (registers the environments)
+from sinkflex_core.envs import DoNothingAgent, format_tool_call, run_episode
+from sinkflex_core.envs.examples.notes_mcp import SERVER_MODULE, TASKS_FILE
+from sinkflex_core.envs.examples.notes_mcp.expert import NotesExpert
+from sinkflex_core.envs.mcp_client import MCPConnection, MCPError
+from sinkflex_core.envs.mcp_env import load_tasks, resolve_checker
+
+TASKS, _ = load_tasks(TASKS_FILE)
+
+
+@pytest.fixture(scope="module")
+def env():
+    env = gym.make("sinkflex/MCP-v0", split="test")
+    yield env
+    env.close()
+
+
+def test_the_tools_come_from_the_server(env):
+    obs, info = env.reset(options={"task_index": 0})
+    assert obs == TASKS["test"][0]["instruction"]
+    names = [t["function"]["name"] for t in info["tools"]]
+    assert names == ["add_note", "list_notes", "search_notes", "get_note", "update_note", "delete_note"]
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in info["tools"]}
+    assert params["get_note"]["properties"]["note_id"]["type"] == "integer"  # the server's own schema
+
+
+def test_the_expert_solves_every_task_and_doing_nothing_solves_none(env):
+    for i in range(env.unwrapped.num_tasks):
+        messages, reward, info = run_episode(env, NotesExpert(), i)
+        assert reward == 1.0, (i, info["reward_info"], messages)
+        messages, reward, info = run_episode(env, DoNothingAgent(), i)
+        assert reward == 0.0, (i, info["reward_info"])
+
+
+def test_episodes_do_not_see_each_other(env):
+    env.reset(options={"task_index": 0})
+    env.step(format_tool_call("add_note", {"title": "stray", "body": "x"}))
+    obs, _ = env.reset(options={"task_index": 4})
+    listed = json.loads(env.step(format_tool_call("list_notes", {}))[0])
+    assert [n["title"] for n in listed] == ["A", "B", "C", "D"]  # the task's setup, nothing else
+
+
+def test_bad_calls_are_observations(env):
+    env.reset(options={"task_index": 1})
+    for action, expected in [
+        (format_tool_call("get_note", {"note_id": "abc"}), "valid integer"),
+        (format_tool_call("get_note", {"note_id": 99}), "no note with id 99"),
+        (format_tool_call("reset_store", {}), "unknown tool 'reset_store'"),  # hidden from the agent
+        (format_tool_call("nope", {}), "unknown tool 'nope'"),
+        (format_tool_call("add_note", {"title": "t", "body": "b" * 3000}), "longer than 2000"),
+        ('<tool_call>{"name": "search_notes", "arguments": {"query": "a\\ud800"}}</tool_call>', "lone surrogate"),
+        (format_tool_call("get_note", {"note_id": 77}), "no note with id 77"),  # the session survived that
+    ]:
+        obs, reward, terminated, truncated, info = env.step(action)
+        assert obs.startswith("Error") and expected in obs and not terminated, (action, obs)
+    # a wrong answer, and the state unchanged by the refusals: the checker scores it 0
+    *_, reward, terminated, _, info = env.step("hunter2")
+    assert terminated and reward == 0.0
+
+
+def test_a_python_checker_and_a_failing_checker(tmp_path):
+    tasks = [{"instruction": "Say hi.", "expect": "hi"}]
+    env = gym.make("sinkflex/MCP-v0", command=[sys.executable, "-m", SERVER_MODULE], tasks=tasks,
+                   checker=lambda task, ep: float(ep["answer"] == task["expect"]))
+    try:
+        for answer, want in (("hi", 1.0), ("hello", 0.0)):
+            env.reset(options={"task_index": 0})
+            assert env.step(answer)[1] == want
+        env.unwrapped.backend._default_checker = "sinkflex_core.envs.examples.notes_mcp.checks:nope"
+        env.reset(options={"task_index": 0})
+        *_, reward, terminated, _, info = env.step("hi")
+        assert reward == 0.0 and "AttributeError" in info["reward_info"]["checker_error"]
+    finally:
+        env.close()
+    with pytest.raises(ValueError, match="checker"):
+        resolve_checker(42)
+
+
+def test_a_command_checker_reads_the_episode_on_stdin():
+    check = resolve_checker({"command": ["{python}", "-m", "sinkflex_core.envs.examples.notes_mcp.checks"]})
+    task = TASKS["test"][4]
+    state = json.dumps([{"title": a["arguments"]["title"], "body": a["arguments"]["body"],
+                         "tags": a["arguments"]["tags"]} for a in task["setup"]])
+    assert check(task, {"answer": "3", "state": state})[0] == 1.0
+    assert check(task, {"answer": "13", "state": state})[0] == 0.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_server_given_by_url():
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", SERVER_MODULE, "--http", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):  # up to 60 s for Python and the SDK to load on a busy machine
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        env = gym.make("sinkflex/MCP-v0", url=f"http://127.0.0.1:{port}/mcp", tasks=TASKS_FILE, split="test")
+        try:
+            for i in range(env.unwrapped.num_tasks):
+                assert run_episode(env, NotesExpert(), i)[1] == 1.0
+        finally:
+            env.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _children() -> set[str] | None:
+    """Process ids of this process's children (Linux), or None where /proc cannot tell."""
+    import os
+
+    try:
+        return {pid for t in os.listdir("/proc/self/task")
+                for pid in open(f"/proc/self/task/{t}/children").read().split()}
+    except OSError:
+        return None
+
+
+def test_close_ends_the_server_process_and_threads():
+    before = {t.ident for t in threading.enumerate()}
+    children = _children()
+    conn = MCPConnection(command=[sys.executable, "-m", SERVER_MODULE])
+    assert conn.call("add_note", {"title": "a", "body": "b"}) == ('{"id": 1}', False)
+    if children is not None:
+        assert len(_children() - children) == 1
+    conn.close()
+    if children is not None:
+        assert _children() == children  # the server process is gone
+    conn.close()
+    with pytest.raises(MCPError, match="closed"):
+        conn.call("list_notes", {})
+    assert [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()] == []
+    env = gym.make("sinkflex/MCP-v0")
+    env.reset(options={"task_index": 0})
+    del env
+    gc.collect()
+    assert [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()] == []
+    assert children is None or _children() == children
+
+
+def test_a_server_that_does_not_start_is_a_clear_error():
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(MCPError, match="did not start"):
+        MCPConnection(command=[sys.executable, "-c", "import sys; sys.exit(3)"], timeout=20)
+    with pytest.raises(ValueError, match="exactly one"):
+        MCPConnection()
+    assert [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()] == []
