@@ -191,7 +191,7 @@ import numpy as np
 import torch
 
 from .models import DEFAULT_VOCAB_SIZE
-from .train import COMPACT_SYSTEM_PROMPT, ConfigError, TokenLogprobs, _coerce_simple, _is_optional
+from .train import COMPACT_SYSTEM_PROMPT, ConfigError, TokenLogprobs, add_config_arguments, parse_field
 
 
 @dataclass
@@ -1119,20 +1119,11 @@ def _write_history(path: Path, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sinkflex_core.sft", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(SFTConfig):
-        default = getattr(SFTConfig(), f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(default, bool):
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
-        else:
-            p.add_argument(flag, dest=f.name, default=default)
+    p = argparse.ArgumentParser(prog="python -m sinkflex_core.sft", description=__doc__.split("\n\n")[0])
+    add_config_arguments(p, SFTConfig, keep_defaults=True)
     args = vars(p.parse_args(argv))
     try:
-        optional = {f.name for f in dataclasses.fields(SFTConfig) if _is_optional(f)}
-        values = {k: (_coerce_simple(getattr(SFTConfig(), k), v, optional=k in optional) if isinstance(v, str) else v)
-                  for k, v in args.items()}
+        values = {k: (parse_field(SFTConfig, k, v) if isinstance(v, str) else v) for k, v in args.items()}
         result = train_sft(SFTConfig(**values))
     except ConfigError as err:
         print(f"sft: config error: {err}", file=sys.stderr)
