@@ -45,74 +45,91 @@ import numpy as np
 import torch
 
 from .models import DEFAULT_VOCAB_SIZE
-from .train import COMPACT_SYSTEM_PROMPT, ConfigError, TokenLogprobs, add_config_arguments, parse_field
+from .train import (
+    COMPACT_SYSTEM_PROMPT,
+    ConfigError,
+    TokenLogprobs,
+    add_config_arguments,
+    option,
+    parse_field,
+)
 
 
 @dataclass
 class SFTConfig:
     """Model shape, expert data, optimisation and early stopping of the SFT run."""
 
-    seed: int = 0
-    env_id: str = "sinkflex/Retail-v0"
-    vocab_size: int = DEFAULT_VOCAB_SIZE
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4  # head dimension 32; 0: hidden_size // 64 (models.tiny_qwen2_config's rule)
-    num_kv_heads: int = 2  # 0: half the heads
-    init_from: str = ""  # a saved policy folder (an earlier SFT run) to continue training; its shape and
-    #                      tokenizer replace the four fields above
+    seed: int = option(0, "seed of the initial weights, the data order and the evaluations")
+    env_id: str = option("sinkflex/Retail-v0", "the Gymnasium environment")
+    vocab_size: int = option(DEFAULT_VOCAB_SIZE, "tokenizer vocabulary")
+    hidden_size: int = option(128, "hidden size of the new model")
+    num_layers: int = option(4, "decoder layers of the new model")
+    num_heads: int = option(4, "head dimension 32; 0: hidden_size // 64 (models.tiny_qwen2_config's rule)")
+    num_kv_heads: int = option(2, "0: half the heads")
+    init_from: str = option("", "a saved policy folder (an earlier SFT run) to continue training; its shape "
+                                "and tokenizer replace the four fields above")
     # -- the prompt and episode limits (use the GRPO run's values) --
-    system_prompt: str | None = COMPACT_SYSTEM_PROMPT
-    include_tools: bool = False
-    max_turns: int = 16
-    max_total_tokens: int = 2048  # longer expert trajectories are cut here (the rollout would end there)
-    max_new_tokens_per_turn: int = 128
+    system_prompt: str | None = option(COMPACT_SYSTEM_PROMPT, "None: the environment's policy text")
+    include_tools: bool = option(False, "tool schemas in the system turn")
+    max_turns: int = option(16, "most assistant turns per episode")
+    max_total_tokens: int = option(2048, "longer expert trajectories are cut here (the rollout would end "
+                                         "there)")
+    max_new_tokens_per_turn: int = option(128, "most tokens of one assistant turn")
     # -- data --
-    expert_split: str = "synthetic"  # where the expert episodes come from: "synthetic" (10,000 tasks) or "train"
-    train_tasks: int = 0  # expert episodes from the first N tasks of expert_split (0: all; for "train",
-    #                       all but the validation ones)
-    val_tasks: int = 40  # the last N tasks of the "train" split: never in the SFT data, for early stopping
+    expert_split: str = option("synthetic", "where the expert episodes come from: 'synthetic' (10,000 tasks) "
+                                            "or 'train'")
+    train_tasks: int = option(0, "expert episodes from the first N tasks of expert_split (0: all; for "
+                                 "'train', all but the validation ones)")
+    val_tasks: int = option(40, "the last N tasks of the 'train' split: never in the SFT data, for early "
+                                "stopping")
     # -- optimisation --
-    batch_tokens: int = 4096  # padded tokens per optimizer step
-    lr: float = 2e-3
-    context_loss_weight: float = 1.0  # weight of the loss on non-expert tokens (0: classic SFT)
-    value_loss_weight: float = 1.0  # weight of the first token of each tool-call argument value (value_start_mask)
-    copy_fraction: float = 0.1  # share of each batch's rows that are copy drills (add_copy_rows); 0: none
-    recall_fraction: float = 0.0  # about this share of each batch's rows are key-value recall drills (recall_drills)
-    swap_names: float = 1.0  # share of the expert episodes whose people and places are renamed (swap_names)
-    opening_copies: int = 0  # extra rows per episode of its opening, up to its first tool call (episode_openings)
-    swap_numbers: float = 0.0  # share of the expert episodes whose numbers are renumbered (number_swap_group)
-    identity_rows: int = 0  # episode openings per optimizer step whose identity-call values add their own
-    #                         mean loss to the step's (identity_batch)
+    batch_tokens: int = option(4096, "padded tokens per optimizer step")
+    lr: float = option(2e-3, "peak AdamW learning rate")
+    context_loss_weight: float = option(1.0, "weight of the loss on non-expert tokens (0: classic SFT)")
+    value_loss_weight: float = option(1.0, "weight of the first token of each tool-call argument value "
+                                           "(value_start_mask)")
+    copy_fraction: float = option(0.1, "share of each batch's rows that are copy drills (add_copy_rows); 0: "
+                                       "none")
+    recall_fraction: float = option(0.0, "about this share of each batch's rows are key-value recall drills "
+                                         "(recall_drills)")
+    swap_names: float = option(1.0, "share of the expert episodes whose people and places are renamed "
+                                    "(swap_names)")
+    opening_copies: int = option(0, "extra rows per episode of its opening, up to its first tool call "
+                                    "(episode_openings)")
+    swap_numbers: float = option(0.0, "share of the expert episodes whose numbers are renumbered "
+                                      "(number_swap_group)")
+    identity_rows: int = option(0, "episode openings per optimizer step whose identity-call values add their "
+                                   "own mean loss to the step's (identity_batch)")
     # the next three apply to a new model only (skipped with init_from)
-    previous_token_heads: bool = True  # start layer 0's first KV group as previous-token heads
-    #                                    (models.init_previous_token_heads)
-    copy_warmup_steps: int = 800  # optimizer steps on copy drills alone (batch_tokens each) before the SFT
-    copy_warmup_length: int = 128  # tokens per drill row in that warm-up (and in the recall warm-up)
-    recall_warmup_steps: int = 0  # optimizer steps on recall drills alone (recall_drills) before the SFT;
-    #                               also with init_from
-    identity_warmup_steps: int = 0  # optimizer steps on identity_batch alone (about batch_tokens each) before
-    #                                 the SFT; also with init_from
-    recall_fact_fillers: int = 1  # most separator tokens between a drill fact's key and value (1: `zip 92181`;
-    #                               3: also `email is lucia...`)
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    max_steps: int = 3000
-    max_minutes: float = 40.0
-    schedule_steps: int = 0  # length of the cosine decay (0: max_steps)
+    previous_token_heads: bool = option(True, "start layer 0's first KV group as previous-token heads "
+                                              "(models.init_previous_token_heads)")
+    copy_warmup_steps: int = option(800, "optimizer steps on copy drills alone (batch_tokens each) before "
+                                         "the SFT")
+    copy_warmup_length: int = option(128, "tokens per drill row in that warm-up (and in the recall warm-up)")
+    recall_warmup_steps: int = option(0, "optimizer steps on recall drills alone (recall_drills) before the "
+                                         "SFT; also with init_from")
+    identity_warmup_steps: int = option(0, "optimizer steps on identity_batch alone (about batch_tokens "
+                                           "each) before the SFT; also with init_from")
+    recall_fact_fillers: int = option(1, "most separator tokens between a drill fact's key and value (1: "
+                                         "`zip 92181`; 3: also `email is lucia...`)")
+    min_lr_ratio: float = option(0.1, "end of the cosine decay, as a share of lr")
+    warmup_steps: int = option(30, "optimizer steps of linear warm-up")
+    weight_decay: float = option(0.01, "AdamW weight decay")
+    grad_clip: float = option(1.0, "gradient-norm clip")
+    max_steps: int = option(3000, "optimizer steps at most")
+    max_minutes: float = option(40.0, "minutes at most (> 0)")
+    schedule_steps: int = option(0, "length of the cosine decay (0: max_steps)")
     # -- early stopping --
-    eval_every: int = 500
-    eval_samples: int = 1
-    eval_temperature: float = 1.0
-    stop_at_reward: float = 0.25  # <= 0: never stop early
-    min_steps: int = 0
-    save_snapshots: bool = False  # also save the model at every evaluation (out_dir/snapshots/step_N)
-    keep_best: bool = True  # save the weights of the best evaluation (ties: the later), not the last
-    threads: int = 0
-    progress: bool = True
-    out_dir: str = "runs/sft"
+    eval_every: int = option(500, "optimizer steps between evaluations")
+    eval_samples: int = option(1, "episodes per validation task")
+    eval_temperature: float = option(1.0, "sampling temperature of the evaluations")
+    stop_at_reward: float = option(0.25, "<= 0: never stop early")
+    min_steps: int = option(0, "no early stop before this step")
+    save_snapshots: bool = option(False, "also save the model at every evaluation (out_dir/snapshots/step_N)")
+    keep_best: bool = option(True, "save the weights of the best evaluation (ties: the later), not the last")
+    threads: int = option(0, "torch intra-op threads; 0 = torch's default")
+    progress: bool = option(True, "a progress bar on stderr")
+    out_dir: str = option("runs/sft", "where the policy, its tokenizer and the history go")
 
     def validate(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "max_turns", "max_total_tokens", "copy_warmup_length",
