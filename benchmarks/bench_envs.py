@@ -3,7 +3,7 @@ serving the same tools over HTTP on 127.0.0.1.
 
     python benchmarks/bench_envs.py [--calls 3000] [--resets 200]
 
-Targets (issue 3): reset under 50 ms, over 1,000 tool calls per second in process.
+Targets: reset under 50 ms, over 1,000 tool calls per second in process.
 """
 
 from __future__ import annotations
@@ -108,6 +108,26 @@ def main() -> None:
         print(f"oracle episodes {env_id:24s}: {1e3 * dt / args.episodes:.1f} ms/episode, {steps / dt:.0f} steps/s "
               "(includes grading: one state hash)")
         env.close()
+
+    # how long BankSQL's limits take to stop queries that would otherwise run for seconds or forever
+    env = gym.make("sinkflex/BankSQL-v0", max_turns=10**9)
+    env.reset(options={"task_index": 0})
+    runaway = {
+        "printf '%.*c' 10**9 (one SQLite call)": "SELECT printf('%.*c', 1000000000, 'x')",
+        "recursive printf 10**9 + x": "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c WHERE x<100000) "
+                                      "SELECT count(printf('%.*c', 1000000000 + x, 'x')) FROM c",
+        "endless recursion (step count)": "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) SELECT count(*) FROM c",
+        "slow endless recursion (deadline)": "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) "
+                                             "SELECT count(randomblob(9000)) FROM c",
+        "5,000 rows x 6 x 9,000 bytes (byte cap)": "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c WHERE "
+                                                   "x<5000) SELECT " + ", ".join(["printf('%.*c', 9000, 'x')"] * 6) + " FROM c",
+    }
+    print()
+    for label, query in runaway.items():
+        t = time.perf_counter()
+        obs, *_ = env.step(format_tool_call("run_sql", {"query": query}))
+        print(f"BankSQL {label:42s} stopped after {1e3 * (time.perf_counter() - t):7.1f} ms: {obs[:70]}")
+    env.close()
 
     reset_ok = all(r["reset_ms"] < 50 for r in results.values())
     calls_ok = results["sinkflex/Retail-v0"]["calls_per_s"] > 1000

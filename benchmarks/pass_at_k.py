@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policy", required=True, help="a saved policy folder (model and tokenizer)")
+    p.add_argument("--env-id", default="sinkflex/Retail-v0", help="the environment (its tasks and reward)")
     p.add_argument("--split", default="test")
     p.add_argument("--tasks", type=int, default=60, help="the first N tasks of the split")
     p.add_argument("--samples", type=int, default=16, help="episodes per task")
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     tasks = list(range(args.tasks))
     try:
         table = train.success_table(args.policy, args.split, tasks, args.samples, args.tasks_per_call, args.seed,
-                                    progress=not args.no_progress)
+                                    progress=not args.no_progress, env_id=args.env_id)
     except FileNotFoundError as err:  # no saved policy there
         p.error(f"--policy: {err}")
     counts, minutes = list(table["successes"]), float(table["minutes"].iloc[0])

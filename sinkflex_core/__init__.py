@@ -1,8 +1,8 @@
 """sinkflex: GRPO for long-horizon, tool-using LLM agents with sink-aware FlexAttention.
 
-Importing the package registers the Gymnasium environments (``sinkflex/Retail-v0``,
-``sinkflex/RetailHTTP-v0``, ``sinkflex/BankSQL-v0``); everything heavier (torch models, attention,
-rollouts, training) is imported from its own module on demand.
+Importing the package registers the Gymnasium environments (``sinkflex/Retail-v0`` and the other
+worlds listed in :mod:`sinkflex_core.envs`); everything heavier (torch models, attention, rollouts,
+training) is imported from its own module on demand.
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ The attention computed here, for query ``i`` and key ``j`` of one row (keys inde
 * ``j`` is visible when ``j <= i`` (causal), ``j`` and ``i`` lie in the same document (packed rows),
   ``j`` is not padding, and either ``j`` is one of the first ``n_sink`` tokens of its document or
   ``i - j < window``. The window therefore holds ``window`` keys **counting the query itself**: keys
-  ``i - window + 1 .. i`` (the same convention as Hugging Face's ``sliding_window``).
+  ``i - window + 1 .. i`` (the same convention as Hugging Face's ``sliding_window``). Padding is not a
+  token: sinks and window count real tokens only, and only the first real token of a row (or a real
+  change of document: a new segment id, a position that does not continue) starts a document, so a
+  row padded in the middle (a batch of turns of different lengths) attends as it would alone.
 * With sink logits ``s`` (one per query head) the softmax gets one extra term ``exp(s)`` that carries no
   value vector. Since ``softmax`` over ``[scores, s]`` with the last column dropped equals the plain
   softmax times ``Z / (Z + e^s)``, the output is ``out * sigmoid(lse - s)`` with ``lse`` the
@@ -32,6 +35,7 @@ Use::
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +63,7 @@ __all__ = [
     "document_mask",
     "key_padding_mask",
     "sink_window_mask",
+    "document_starts",
     "SinkFlexMask",
     "apply_zero_value_sink",
     "sink_attention",
@@ -69,6 +74,8 @@ __all__ = [
     "apply",
     "sink_parameters",
     "load_sink_logits",
+    "attention_settings",
+    "save_attention_settings",
     "early_key_mass",
     "SinkEstimate",
     "estimate_layer_sinks",
@@ -79,6 +86,7 @@ __all__ = [
 IMPLEMENTATION = "sinkflex"
 PROBE_IMPLEMENTATION = "sinkflex_probe"
 SINKS_FILENAME = "sinkflex_sinks.json"
+SETTINGS_FILENAME = "sinkflex_attention.json"
 DEFAULT_N_SINK = 4
 DEFAULT_WINDOW = 4096
 # Initial sink logit s0. Each attention output row is scaled by 1 - eps, eps = sigmoid(s0 - lse) <=
@@ -92,6 +100,21 @@ DEFAULT_CHUNK = 256
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
+def _check_count(name: str, value, minimum: int) -> int:
+    """``value`` as an int >= ``minimum``. A sink count or a window is a number of tokens: a fractional
+    value (or a bool) is refused rather than rounded, and a whole float such as 4096.0 is accepted."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a whole number of tokens, got {value!r} ({type(value).__name__})")
+    if not isinstance(value, numbers.Integral):
+        if not float(value).is_integer():
+            raise ValueError(f"{name} must be a whole number of tokens, got {value!r}")
+    value = int(value)
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}" + (" (it counts the query itself)" if name == "window" else "")
+                         + f", got {value}")
+    return value
+
+
 # --------------------------------------------------------------------------------------------------
 # mask_mods: index-based, composable with torch's and_masks / or_masks; they work on scalars (vmap in
 # FlexAttention) and on broadcastable index tensors (the chunked path and the dense reference).
@@ -101,21 +124,38 @@ def causal_mask(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-def sliding_window_mask(window: int) -> MaskMod:
-    """Keys ``q_idx - window + 1 .. q_idx`` (the window counts the query itself); combine with causal."""
-    if window < 1:
-        raise ValueError(f"window must be >= 1 (it counts the query itself), got {window}")
+def sliding_window_mask(window: int, real_count: Tensor | None = None) -> MaskMod:
+    """Keys ``q_idx - window + 1 .. q_idx`` (the window counts the query itself); combine with causal.
 
-    def sliding_window(b, h, q_idx, kv_idx):
-        return q_idx - kv_idx < window
+    With ``real_count`` (B, L) long, the running count of real (non-padding) keys of each row, the window
+    holds the last ``window`` *real* keys instead: padding columns inside a row take no place in it."""
+    window = _check_count("window", window, 1)
+    if real_count is None:
+
+        def sliding_window(b, h, q_idx, kv_idx):
+            return q_idx - kv_idx < window
+
+    else:
+
+        def sliding_window(b, h, q_idx, kv_idx):
+            return real_count[b, q_idx] - real_count[b, kv_idx] < window
 
     return sliding_window
 
 
-def sink_token_mask(n_sink: int, document_start: Tensor | None = None) -> MaskMod:
-    """The first ``n_sink`` keys of each document (of the row when ``document_start`` (B, L) is None)."""
+def sink_token_mask(n_sink: int, document_start: Tensor | None = None, real_count: Tensor | None = None) -> MaskMod:
+    """The first ``n_sink`` keys of each document (of the row when ``document_start`` (B, L) is None);
+    the first ``n_sink`` real keys when ``real_count`` (B, L), the running count of real keys, is given."""
+    n_sink = _check_count("n_sink", n_sink, 0)
+    if real_count is not None:
+        start = document_start if document_start is not None else torch.zeros_like(real_count)
+        # real keys before each key in its document (0 for the document's first token, a real one)
+        rank = real_count - real_count.gather(1, start)
 
-    if document_start is None:
+        def sink_tokens(b, h, q_idx, kv_idx):
+            return rank[b, kv_idx] < n_sink
+
+    elif document_start is None:
 
         def sink_tokens(b, h, q_idx, kv_idx):
             return kv_idx < n_sink
@@ -146,13 +186,16 @@ def key_padding_mask(key_valid: Tensor) -> MaskMod:
     return real_key
 
 
-def sink_window_mask(n_sink: int, window: int | None, document_start: Tensor | None = None) -> MaskMod:
-    """causal AND (sink tokens OR sliding window); plain causal when ``window`` is None."""
+def sink_window_mask(n_sink: int, window: int | None, document_start: Tensor | None = None,
+                     real_count: Tensor | None = None) -> MaskMod:
+    """causal AND (sink tokens OR sliding window); plain causal when ``window`` is None. ``real_count``
+    (B, L): count sinks and window in real keys (see :func:`sliding_window_mask`)."""
     if window is None:
         return causal_mask
-    if n_sink <= 0:
-        return and_masks(causal_mask, sliding_window_mask(window))
-    return and_masks(causal_mask, or_masks(sink_token_mask(n_sink, document_start), sliding_window_mask(window)))
+    if _check_count("n_sink", n_sink, 0) == 0:
+        return and_masks(causal_mask, sliding_window_mask(window, real_count))
+    return and_masks(causal_mask, or_masks(sink_token_mask(n_sink, document_start, real_count),
+                                           sliding_window_mask(window, real_count)))
 
 
 def _shift_queries(mask_mod: MaskMod, offset: int) -> MaskMod:
@@ -163,6 +206,28 @@ def _shift_queries(mask_mod: MaskMod, offset: int) -> MaskMod:
         return mask_mod(b, h, q_idx + offset, kv_idx)
 
     return shifted
+
+
+def document_starts(valid: Tensor, continues: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """Which tokens start a document: (B, L) bool, from ``valid`` (B, L) bool, True on real tokens.
+
+    The one rule behind every mask here: a real token starts a document when it is the first real token
+    of its row, or when ``continues(prev)`` says it does not continue the document of the previous *real*
+    token of its row (``prev`` (B, L) long: index of that token, 0 where there is none; ``continues``
+    returns (B, L) bool). Padding never starts a document, and a run of padding inside a row (a batch of
+    turns of different lengths, padded to one width) does not cut the row in two: the tokens after it
+    keep their sinks and their prompt.
+    """
+    valid = valid.to(torch.bool)
+    b, n = valid.shape
+    pos = torch.arange(n, device=valid.device).expand(b, n)
+    last_real = torch.where(valid, pos, torch.full_like(pos, -1)).cummax(-1).values
+    prev = torch.full_like(last_real, -1)
+    prev[:, 1:] = last_real[:, :-1]
+    starts = valid & (prev < 0)
+    if continues is not None:
+        starts |= valid & ~starts & ~continues(prev.clamp(min=0)).to(torch.bool)
+    return starts
 
 
 def _boundaries_to_layout(is_start: Tensor) -> tuple[Tensor, Tensor]:
@@ -200,6 +265,8 @@ class SinkFlexMask:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def causal(cls, batch_size: int, q_len: int, kv_len: int | None = None, device="cpu") -> SinkFlexMask:
+        """One document per row, no padding; the ``q_len`` queries are the last ``q_len`` of the
+        ``kv_len`` keys (``q_len <= kv_len``)."""
         kv_len = q_len if kv_len is None else kv_len
         return cls(batch_size, q_len, kv_len, q_offset=kv_len - q_len, device=device)
 
@@ -212,8 +279,7 @@ class SinkFlexMask:
         valid = segment_ids >= 0
         if attention_mask is not None:
             valid = valid & attention_mask.to(torch.bool)
-        is_start = torch.zeros_like(valid)
-        is_start[:, 1:] = (segment_ids[:, 1:] != segment_ids[:, :-1]) | (valid[:, 1:] & ~valid[:, :-1])
+        is_start = document_starts(valid, lambda prev: segment_ids == segment_ids.gather(1, prev))
         return cls._from_starts(is_start, valid)
 
     @classmethod
@@ -227,8 +293,7 @@ class SinkFlexMask:
             if attention_mask is None
             else attention_mask.to(torch.bool)
         )
-        is_start = torch.zeros_like(valid)
-        is_start[:, 1:] = (position_ids[:, 1:] != position_ids[:, :-1] + 1) | (valid[:, 1:] & ~valid[:, :-1])
+        is_start = document_starts(valid, lambda prev: position_ids == position_ids.gather(1, prev) + 1)
         return cls._from_starts(is_start, valid)
 
     @classmethod
@@ -247,10 +312,25 @@ class SinkFlexMask:
             valid.device,
         )
 
+    def contiguous(self) -> SinkFlexMask:
+        """Itself: ``generate`` with a static cache calls ``.contiguous()`` on the masks it prepares."""
+        return self
+
     # ------------------------------------------------------------------ masks
+    @property
+    def real_count(self) -> Tensor | None:
+        """(B, kv_len) long: real keys up to and including each key, None without padding. Sinks and
+        the window count real keys, so padding columns inside a row (a cache holding turns of different
+        lengths) neither take a place in the window nor push a sink out."""
+        if self.key_valid is None:
+            return None
+        if "count" not in self._cache:
+            self._cache["count"] = self.key_valid.long().cumsum(-1)
+        return self._cache["count"]
+
     def mask_mod(self, n_sink: int, window: int | None) -> MaskMod:
         """The composed mask_mod in (query index, key index) of this batch."""
-        parts = [sink_window_mask(n_sink, window, self.document_start)]
+        parts = [sink_window_mask(n_sink, window, self.document_start, self.real_count)]
         if self.document_ids is not None:
             parts.append(document_mask(self.document_ids))
         if self.key_valid is not None:
@@ -289,7 +369,8 @@ class SinkFlexMask:
         if key not in self._cache:
             pos = torch.arange(self.kv_len, device=self.device).expand(self.batch_size, -1)
             start = self.document_start if self.document_start is not None else torch.zeros_like(pos)
-            is_sink = pos - start < n_sink
+            count = self.real_count
+            is_sink = (pos - start if count is None else count - count.gather(1, start)) < n_sink
             if self.key_valid is not None:
                 is_sink = is_sink & self.key_valid
             width = max(int(is_sink.sum(-1).max()), 1)
@@ -331,13 +412,23 @@ class _ChunkPlan:
         self.mod = mask.mask_mod(n_sink, window)
         self.sinks = mask.sink_index(n_sink) if (window is not None and n_sink > 0) else None
 
+    def _window_start(self, q: int) -> int:
+        """The first key index any row's window can reach from query index ``q`` (the chunk's first)."""
+        count = self.mask.real_count
+        if count is None:
+            return max(0, q - self.window + 1)
+        q = min(max(q, 0), self.mask.kv_len - 1)
+        # first key whose count of real keys up to the query is below the window, the lowest over rows
+        first = torch.searchsorted(count, count[:, q:q + 1] - self.window, right=True)
+        return int(first.min())
+
     def chunks(self):
         m = self.mask
         dev = m.device
         for q0 in range(0, m.q_len, self.chunk):
             q1 = min(q0 + self.chunk, m.q_len)
             hi = min(m.q_offset + q1, m.kv_len)
-            lo = 0 if self.window is None else max(0, m.q_offset + q0 - self.window + 1)
+            lo = 0 if self.window is None else self._window_start(m.q_offset + q0)
             win = torch.arange(lo, hi, device=dev).expand(m.batch_size, -1)
             extra_ok = torch.ones_like(win, dtype=torch.bool)
             if self.sinks is not None and lo > 0:
@@ -438,7 +529,14 @@ class _ChunkedAttention(torch.autograd.Function):
         return dq.view(bsz, hq, lq, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def _check_shapes(q: Tensor, k: Tensor, v: Tensor, mask: SinkFlexMask) -> None:
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: SinkFlexMask) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Tensor) or not x.is_floating_point():
+            # integer or boolean inputs would be computed in float and truncated back to their dtype
+            raise TypeError(f"{name} must be a floating-point tensor, got "
+                            f"{x.dtype if isinstance(x, Tensor) else type(x).__name__}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be (batch, heads, length, head_dim)")
     if k.shape[:3] != v.shape[:3]:
@@ -452,6 +550,11 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, mask: SinkFlexMask) -> None:
             f"mask is for batch {mask.batch_size}, {mask.q_len} queries, {mask.kv_len} keys; got q "
             f"{tuple(q.shape)} and k {tuple(k.shape)}"
         )
+    if mask.q_offset < 0:
+        raise ValueError(
+            f"more queries than keys ({mask.q_len} queries, {mask.kv_len} keys, query 0 at key index "
+            f"{mask.q_offset}): the first queries would see no key at all. The queries are the last "
+            "q_len positions of the keys (a cache holds the earlier ones)")
 
 
 _COMPILED_FLEX: dict = {}
@@ -493,9 +596,9 @@ def sink_attention(
     """
     if mask is None:
         mask = SinkFlexMask.causal(q.shape[0], q.shape[2], k.shape[2], device=q.device)
-    _check_shapes(q, k, v, mask)
-    if n_sink < 0:
-        raise ValueError(f"n_sink must be >= 0, got {n_sink}")
+    _check_inputs(q, k, v, mask)
+    n_sink = _check_count("n_sink", n_sink, 0)
+    window = None if window is None else _check_count("window", window, 1)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if backend == "auto":
         backend = "flex" if q.device.type == "cuda" else "chunked"
@@ -521,8 +624,7 @@ def sink_attention(
         )
         lse = aux.lse.float()
     elif backend == "chunked":
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        chunk_size = _check_count("chunk_size", chunk_size, 1)
         out, lse = _ChunkedAttention.apply(q, k, v, _ChunkPlan(mask, n_sink, window, chunk_size), scale)
     else:
         raise ValueError(f"backend must be 'auto', 'flex' or 'chunked', got {backend!r}")
@@ -545,7 +647,9 @@ def reference_attention(
     that is dropped after normalising. Same arguments as :func:`sink_attention`; returns float64."""
     if mask is None:
         mask = SinkFlexMask.causal(q.shape[0], q.shape[2], k.shape[2], device=q.device)
-    _check_shapes(q, k, v, mask)
+    _check_inputs(q, k, v, mask)
+    n_sink = _check_count("n_sink", n_sink, 0)
+    window = None if window is None else _check_count("window", window, 1)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     g = q.shape[1] // k.shape[1]
     q64, k64, v64 = (x.double() for x in (q, k, v))
@@ -583,24 +687,37 @@ def sinkflex_mask(
     Document boundaries are read from ``mask_function`` on adjacent positions only (position ``p``
     continues the document of ``p - 1`` iff ``mask_function(p, p - 1)`` holds), so no L x L mask is
     evaluated. Other overlays Hugging Face may add (e.g. bidirectional blocks) are
-    not carried over.
+    not carried over. With a static cache (``generate(..., cache_implementation="static")``) the keys are
+    the whole preallocated cache and the padding mask covers only the tokens seen so far; the slots
+    after them count as padding.
     """
     q_offset = int(q_offset)
     valid = None
     if attention_mask is not None:
         valid = attention_mask.to(device=device, dtype=torch.bool)[:, -kv_length:]
+        if valid.dim() == 2 and valid.shape[0] == batch_size and valid.shape[1] < kv_length:
+            # a static cache: keys are the whole preallocated buffer, the mask covers the tokens seen so
+            # far, and the slots after them are not written yet (causality hides them too)
+            valid = torch.nn.functional.pad(valid, (0, kv_length - valid.shape[1]), value=False)
         if valid.shape != (batch_size, kv_length):
             raise ValueError(f"padding mask must be (batch, kv_length)={batch_size, kv_length}, "
                              f"got {tuple(valid.shape)}")
-    is_start = torch.zeros(batch_size, kv_length, dtype=torch.bool, device=device)
-    if kv_length > 1:
-        if mask_function is not None:
-            b = torch.arange(batch_size, device=device)[:, None]
-            p = torch.arange(kv_offset + 1, kv_offset + kv_length, device=device)[None, :]
-            joined = mask_function(b, torch.zeros((), dtype=torch.long, device=device), p, p - 1)
-            is_start[:, 1:] = ~torch.as_tensor(joined, device=device).expand(batch_size, kv_length - 1)
-        if valid is not None:
-            is_start[:, 1:] |= valid[:, 1:] & ~valid[:, :-1]
+    continues = None
+    if mask_function is not None and kv_length > 1:
+        # breaks between adjacent positions, then: a token continues the previous real one when no break
+        # lies between them (a padding run between the two is not a break of its own)
+        b = torch.arange(batch_size, device=device)[:, None]
+        p = torch.arange(kv_offset + 1, kv_offset + kv_length, device=device)[None, :]
+        joined = mask_function(b, torch.zeros((), dtype=torch.long, device=device), p, p - 1)
+        breaks = torch.zeros(batch_size, kv_length, dtype=torch.long, device=device)
+        breaks[:, 1:] = (~torch.as_tensor(joined, device=device)).expand(batch_size, kv_length - 1).long()
+        count = breaks.cumsum(-1)
+
+        def continues(prev):
+            return count == count.gather(1, prev)
+
+    all_real = torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
+    is_start = document_starts(all_real if valid is None else valid, continues)
     packed = bool(is_start[:, 1:].any())
     ids, start = _boundaries_to_layout(is_start) if packed else (None, None)
     if valid is not None and bool(valid.all()):
@@ -618,18 +735,29 @@ def sinkflex_mask(
     )
 
 
+_NO_SETTINGS = object()
+
+
 def _layer_settings(module: nn.Module) -> tuple[int, int | None]:
+    """(n_sink, window) of one attention layer: set by :func:`apply`, else read from the config
+    (``sinkflex_n_sink`` or ``sinkflex_layer_sinks``, and ``sinkflex_window``). There is no silent
+    default: a model switched to ``"sinkflex"`` with neither gets a ValueError that says what to do."""
     cfg = getattr(module, "config", None)
     n_sink = getattr(module, "sinkflex_n_sink", None)
     if n_sink is None:
         per_layer = getattr(cfg, "sinkflex_layer_sinks", None)
         layer = getattr(module, "layer_idx", None)
         if per_layer is not None and layer is not None:
-            n_sink = int(per_layer[layer])
+            n_sink = per_layer[layer]
         else:
-            n_sink = int(getattr(cfg, "sinkflex_n_sink", DEFAULT_N_SINK))
-    window = getattr(module, "sinkflex_window", getattr(cfg, "sinkflex_window", DEFAULT_WINDOW))
-    return n_sink, window
+            n_sink = getattr(cfg, "sinkflex_n_sink", None)
+    window = getattr(module, "sinkflex_window", getattr(cfg, "sinkflex_window", _NO_SETTINGS))
+    if n_sink is None or window is _NO_SETTINGS:
+        raise ValueError(
+            f"attn_implementation='{IMPLEMENTATION}' but layer {getattr(module, 'layer_idx', '?')} has no sink "
+            "settings: call sinkflex_core.attention.apply(model, n_sink=..., window=...) (it also adds the "
+            "learned sinks), or load a saved policy with sinkflex_core.models.load_policy(folder)")
+    return _check_count("n_sink", n_sink, 0), None if window is None else _check_count("window", window, 1)
 
 
 def sinkflex_attention_forward(
@@ -662,6 +790,12 @@ def sinkflex_attention_forward(
             f"{type(attention_mask).__name__}); call sinkflex_core.attention.register() before the model runs"
         )
     n_sink, window = _layer_settings(module)
+    if getattr(getattr(module, "config", None), "sinkflex_learn_sinks", False) and \
+            getattr(module, "sinkflex_sink_logits", None) is None:
+        raise ValueError(
+            f"this model was trained with learned sink logits, which layer {getattr(module, 'layer_idx', '?')} "
+            "lacks (from_pretrained drops them): load it with sinkflex_core.models.load_policy(folder), or "
+            "call attention.apply(model, ...) then attention.load_sink_logits(model, folder)")
     if n_sink and attention_mask.keys_dropped:
         raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: {n_sink} sink tokens, but the cache has "
                          f"evicted the first {attention_mask.keys_dropped} keys (a sliding-window cache layer); "
@@ -739,15 +873,16 @@ def apply(
     the new parameters (to keep them trainable next to LoRA). Returns the model.
     """
     register()
-    if window is not None and window < 1:
-        raise ValueError(f"window must be >= 1 or None, got {window}")
-    if n_sink < 0:
-        raise ValueError(f"n_sink must be >= 0, got {n_sink}")
+    window = None if window is None else _check_count("window", window, 1)
+    n_sink = _check_count("n_sink", n_sink, 0)
+    chunk_size = _check_count("chunk_size", chunk_size, 1)
     mods = _attention_modules(model)
     if isinstance(layer_sinks, str | os.PathLike):  # a str is a Sequence too: test the path types first
         layer_sinks = load_layer_sinks(layer_sinks)
     if layer_sinks is not None and len(layer_sinks) != len(mods):
         raise ValueError(f"layer_sinks has {len(layer_sinks)} entries for {len(mods)} attention layers")
+    if layer_sinks is not None:
+        layer_sinks = [_check_count("layer_sinks entry", x, 0) for x in layer_sinks]
     cfg = model.config
     n_heads = cfg.num_attention_heads
     for m in mods:
@@ -761,9 +896,12 @@ def apply(
             init = (own.detach().float().clone() if isinstance(own, torch.Tensor) and own.shape == (n_heads,)
                     else torch.full((n_heads,), float(sink_init), dtype=torch.float32, device=dev))
             m.register_parameter("sinkflex_sink_logits", nn.Parameter(init))
-    cfg.sinkflex_n_sink = int(n_sink)
+    cfg.sinkflex_n_sink = n_sink
     cfg.sinkflex_window = window
     cfg.sinkflex_layer_sinks = None if layer_sinks is None else [int(x) for x in layer_sinks]
+    # saved with the config: a model loaded without its learned sinks then refuses to run (see
+    # sinkflex_attention_forward) instead of running a different attention
+    cfg.sinkflex_learn_sinks = any(hasattr(m, "sinkflex_sink_logits") for m in mods)
     _set_implementation(model, IMPLEMENTATION)
     return model
 
@@ -798,6 +936,60 @@ def load_sink_logits(model: nn.Module, model_dir: str | os.PathLike) -> int:
     if loaded == 0:
         raise FileNotFoundError(f"no sink logits in the safetensors files of {model_dir}")
     return loaded
+
+
+def _saved_sink_logit_files(folder: Path) -> list[Path]:
+    from safetensors import safe_open
+
+    found = []
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            if any(k.endswith("sinkflex_sink_logits") for k in f.keys()):
+                found.append(file)
+    return found
+
+
+def attention_settings(source: nn.Module | str | os.PathLike) -> dict | None:
+    """The sink attention a model runs with, or that a saved model folder was trained with: a dict
+    ``{"n_sink", "window", "layer_sinks", "learn_sinks"}``, or None for a model without sink attention.
+
+    A folder is read from ``sinkflex_attention.json`` (written by :func:`save_attention_settings`, the only
+    record beside LoRA adapters) or else from the ``sinkflex_*`` entries :func:`apply` put in its
+    ``config.json``; ``learn_sinks`` then says whether its safetensors files hold learned sink logits."""
+    if isinstance(source, nn.Module):
+        cfg = getattr(source, "config", None)
+        if cfg is None or getattr(cfg, "sinkflex_n_sink", None) is None:
+            return None
+        return {"n_sink": cfg.sinkflex_n_sink, "window": getattr(cfg, "sinkflex_window", None),
+                "layer_sinks": getattr(cfg, "sinkflex_layer_sinks", None),
+                "learn_sinks": bool(sink_parameters(source))}
+    folder = Path(source)
+    saved = folder / SETTINGS_FILENAME
+    if saved.is_file():
+        data = json.loads(saved.read_text())
+    elif (folder / "config.json").is_file():
+        cfg = json.loads((folder / "config.json").read_text())
+        if cfg.get("sinkflex_n_sink") is None:
+            return None
+        data = {"n_sink": cfg["sinkflex_n_sink"], "window": cfg.get("sinkflex_window"),
+                "layer_sinks": cfg.get("sinkflex_layer_sinks")}
+    else:
+        return None
+    data = {k: data.get(k) for k in ("n_sink", "window", "layer_sinks")}
+    data["learn_sinks"] = bool(_saved_sink_logit_files(folder))
+    return data
+
+
+def save_attention_settings(model: nn.Module, folder: str | os.PathLike) -> Path | None:
+    """Write ``sinkflex_attention.json`` (sink counts and window of a model switched by :func:`apply`)
+    into ``folder``, so that :func:`sinkflex_core.models.load_policy` rebuilds the attention even where
+    no ``config.json`` is saved (LoRA adapters). Returns the path, or None for a model without sinks."""
+    settings = attention_settings(model)
+    if settings is None:
+        return None
+    path = Path(folder) / SETTINGS_FILENAME
+    path.write_text(json.dumps({"format": "sinkflex-attention/1", **settings}, indent=1))
+    return path
 
 
 # --------------------------------------------------------------------------------------------------

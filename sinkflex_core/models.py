@@ -403,3 +403,55 @@ def init_previous_token_heads(model, layer: int = 0, kv_head: int = 0, offsets=(
 
 def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------------------------------
+# Saved policies
+# ----------------------------------------------------------------------------------------------------
+
+def load_policy(path: str | os.PathLike, *, base_model: str | None = None, dtype=None, device=None,
+                attn_implementation: str | None = None):
+    """A saved policy folder as a transformers causal LM in eval mode, **with the attention it was
+    trained with**: sink counts per layer, window and learned zero-value sink logits
+    (:func:`sinkflex_core.attention.attention_settings`), on top of the weights.
+
+    Plain ``from_pretrained`` loads such a folder with stock attention and drops the learned sink
+    logits as unknown keys: the model it returns is not the one that was trained. The folder may hold
+    a whole model (``config.json``) or LoRA adapters (``adapter_config.json``, as ``Trainer.export_policy``
+    writes them, with ``sink_logits.safetensors`` beside them); adapters are loaded over ``base_model``
+    (default: the base named in ``adapter_config.json``) and merged. A folder without sink settings
+    loads as a plain model on ``attn_implementation`` (transformers' default when None); a folder with
+    sink settings is switched to sink attention whatever ``attn_implementation`` says."""
+    from transformers import AutoModelForCausalLM
+
+    from . import attention
+
+    path = Path(path)
+    adapters = path / "adapter_config.json"
+    if not (path / "config.json").is_file() and not adapters.is_file():
+        raise FileNotFoundError(f"{path}: no saved model there (neither config.json nor adapter_config.json)")
+    settings = attention.attention_settings(path)
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if adapters.is_file():
+        from peft import PeftModel
+
+        base = base_model or json.loads(adapters.read_text()).get("base_model_name_or_path")
+        if not base:
+            raise ValueError(f"{path} holds LoRA adapters without the name of their base model: pass base_model=")
+        model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if settings is not None:
+        attention.apply(model, n_sink=settings["n_sink"], window=settings["window"],
+                        layer_sinks=settings["layer_sinks"], learn_sinks=settings["learn_sinks"])
+    if adapters.is_file():
+        model = PeftModel.from_pretrained(model, path)
+    if settings is not None and settings["learn_sinks"]:
+        attention.load_sink_logits(model, path)
+    if adapters.is_file():
+        model = model.merge_and_unload()
+    if device is not None:
+        model = model.to(device)
+    return model.eval()

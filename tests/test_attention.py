@@ -508,3 +508,136 @@ def test_gpu_check_script_dry_run_writes_csv_with_provenance(tmp_path):
     assert all(r["status"] == "ok" and float(r["ms"]) > 0 for r in timing)
     for key in ("gpu", "driver", "torch", "transformers", "date", "git_sha"):
         assert timing[0][key]
+
+
+# ------------------------------------------------------------------------------------------ padding
+def test_padding_inside_a_row_does_not_start_a_document():
+    # row 0: left padding; row 1: padding between two runs of one document (turns padded to one width)
+    valid = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 1, 1, 1]], dtype=torch.bool)
+    pos = torch.tensor([[1, 1, 0, 1, 2, 3, 4, 5], [0, 1, 2, 1, 1, 3, 4, 5]])  # generate()'s ids: 1 on padding
+    seg = torch.tensor([[-1, -1, 0, 0, 0, 0, 0, 0], [0, 0, 0, -1, -1, 0, 0, 0]])
+    hf = A.sinkflex_mask(2, 8, 8, attention_mask=valid.long(), mask_function=A.causal_mask)
+    for m in (A.SinkFlexMask.from_position_ids(pos, valid.long()), A.SinkFlexMask.from_segment_ids(seg), hf):
+        dense = m.dense(n_sink=2, window=2)
+        # the last query of row 1 keeps the row's first two tokens (its sinks) across the padding
+        assert dense[1, 7].nonzero().flatten().tolist() == [0, 1, 6, 7]
+        assert dense[0, 7].nonzero().flatten().tolist() == [2, 3, 6, 7]
+    # a real reset after padding still starts a document
+    seg2 = torch.tensor([[0, 0, -1, 1, 1, 1]])
+    pos2 = torch.tensor([[0, 1, 1, 0, 1, 2]])
+    am2 = (seg2 >= 0).long()
+    for m in (A.SinkFlexMask.from_segment_ids(seg2), A.SinkFlexMask.from_position_ids(pos2, am2)):
+        assert m.dense(n_sink=1, window=6)[0, 5].nonzero().flatten().tolist() == [3, 4, 5]
+    # the rule itself: only the first real token of each row starts a document here
+    assert A.document_starts(valid).nonzero().tolist() == [[0, 2], [1, 0]]
+
+
+def padded_model(kind: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config, Qwen2Config
+
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "phi3": Phi3Config}[kind]
+    cfg = cls(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, attn_implementation="sdpa", pad_token_id=0)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "phi3"])
+def test_window_over_everything_equals_sdpa_with_left_and_inner_padding(kind):
+    import copy
+
+    model = padded_model(kind)
+    ids = torch.randint(1, 96, (3, 40))
+    am = torch.ones(3, 40, dtype=torch.long)
+    am[0, :9] = 0  # left padding
+    am[1, 12:20] = 0  # padding inside the row
+    am[2, :3] = 0
+    am[2, 25:31] = 0  # both
+    sf = A.apply(copy.deepcopy(model), n_sink=2, window=40, learn_sinks=False)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=am).logits
+        out = sf(input_ids=ids, attention_mask=am).logits
+    real = am.bool()
+    assert (out - ref)[real].abs().max() < 1e-5
+
+
+def test_sinks_and_window_count_real_keys_only():
+    valid = torch.tensor([[1, 1, 1, 0, 0, 1, 1, 1]], dtype=torch.bool)
+    m = A.SinkFlexMask.from_segment_ids(torch.zeros(1, 8, dtype=torch.long), valid.long())
+    dense = m.dense(n_sink=2, window=3)[0]
+    # query 5: the window holds its last three real keys (2, 5 and key 1, also a sink); padding takes no place
+    assert dense[5].nonzero().flatten().tolist() == [0, 1, 2, 5]
+    assert dense[7].nonzero().flatten().tolist() == [0, 1, 5, 6, 7]
+    # padding at the front does not push the sinks out either
+    left = A.SinkFlexMask.from_segment_ids(torch.zeros(1, 8, dtype=torch.long),
+                                           torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]]))
+    assert left.dense(n_sink=2, window=2)[0, 7].nonzero().flatten().tolist() == [2, 3, 6, 7]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16])
+def test_chunked_path_is_exact_with_padding_inside_rows(chunk):
+    torch.manual_seed(11)
+    b, h, hkv, n, d = 3, 4, 2, 29, 8
+    q, k, v = torch.randn(b, h, n, d), torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d)
+    valid = torch.ones(b, n, dtype=torch.long)
+    valid[0, 4:11] = 0
+    valid[1, :5] = 0
+    valid[1, 17:19] = 0
+    valid[2, 20:] = 0
+    seg = torch.zeros(b, n, dtype=torch.long)
+    seg[2, 12:] = 1  # a packed second document
+    m = A.SinkFlexMask.from_segment_ids(seg, valid)
+    sinks = torch.randn(h)
+    ref = A.reference_attention(q, k, v, m, n_sink=2, window=5, sink_logits=sinks)
+    out = A.sink_attention(q, k, v, m, n_sink=2, window=5, sink_logits=sinks, backend="chunked", chunk_size=chunk)
+    flex = A.sink_attention(q, k, v, m, n_sink=2, window=5, sink_logits=sinks, backend="flex")
+    real = valid.bool()[:, None, :, None].expand_as(ref)
+    assert (out.double() - ref)[real].abs().max() < 1e-5
+    assert (flex.double() - ref)[real].abs().max() < 1e-5
+
+
+# ------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("dtype", [torch.long, torch.int32, torch.bool])
+def test_integer_or_boolean_inputs_are_refused(dtype):
+    q = torch.ones(1, 2, 6, 4).to(dtype)
+    with pytest.raises(TypeError, match="floating-point"):
+        A.sink_attention(q, q, q, n_sink=1, window=3)
+    with pytest.raises(TypeError, match="floating-point"):
+        A.reference_attention(q, q, q)
+    f = torch.randn(1, 2, 6, 4)
+    with pytest.raises(TypeError, match="share one dtype"):
+        A.sink_attention(f, f.double(), f)
+
+
+@pytest.mark.parametrize("n_sink, window, error", [(1, 2.5, ValueError), (1.5, 4, ValueError), (True, 4, TypeError),
+                                                   (1, "8", TypeError), (-1, 4, ValueError), (1, 0, ValueError)])
+def test_fractional_or_negative_sink_counts_and_windows_are_refused(n_sink, window, error):
+    q = torch.randn(1, 2, 9, 4)
+    with pytest.raises(error, match="n_sink|window"):
+        A.sink_attention(q, q, q, n_sink=n_sink, window=window, chunk_size=3)
+    with pytest.raises(error, match="n_sink|window"):
+        A.apply(tiny_model(), n_sink=n_sink, window=window)
+
+
+def test_whole_float_settings_are_the_integers():
+    q = torch.randn(1, 2, 9, 4)
+    a = A.sink_attention(q, q, q, n_sink=2.0, window=3.0, chunk_size=3)
+    assert torch.equal(a, A.sink_attention(q, q, q, n_sink=2, window=3, chunk_size=3))
+
+
+def test_more_queries_than_keys_is_refused():
+    q, k = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 5, 4)
+    with pytest.raises(ValueError, match="more queries than keys"):
+        A.sink_attention(q, k, k)
+    with pytest.raises(ValueError, match="more queries than keys"):
+        A.reference_attention(q, k, k)
+
+
+def test_sinkflex_by_name_without_settings_is_refused():
+    model = tiny_model()
+    model.set_attn_implementation(A.IMPLEMENTATION)
+    with pytest.raises(ValueError, match="no sink settings"):
+        model(input_ids=torch.randint(0, 96, (1, 10)))
+    model.config.sinkflex_n_sink, model.config.sinkflex_window = 1, 4  # settings in the config are used
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.randint(0, 96, (1, 10))).logits).all()

@@ -19,6 +19,7 @@ from sinkflex_core.envs import (
     RetailTools,
     RetailWorld,
     ScriptedCustomer,
+    evaluate_agent,
     expected_hash,
     expert_conversation,
     format_tool_call,
@@ -523,3 +524,14 @@ def test_custom_customer_plugs_in():
     obs, reward, terminated, truncated, _ = env.step("bye")
     assert terminated and not truncated and reward == 0.0
     env.close()
+
+
+@pytest.mark.parametrize("env_id", ["sinkflex/BankSQL-v0", "sinkflex/Airline-v0", "sinkflex/Bash-v0",
+                                    "sinkflex/CodeRepair-v0"])
+def test_the_one_oracle_agent_plays_every_world(env_id):
+    env = gym.make(env_id, split="test")
+    try:
+        results = evaluate_agent(env, lambda t: OracleAgent(), range(2), trials=1, seed=0)
+    finally:
+        env.close()
+    assert [r[0] for r in results] == [1.0, 1.0]

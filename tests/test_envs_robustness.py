@@ -89,7 +89,7 @@ def fuzz_env(request):
     counter = {"n": 0}
     yield env, counter
     env.close()
-    assert counter["n"] >= 1000, counter  # the issue asks for at least 1,000 actions per environment
+    assert counter["n"] >= 1000, counter  # at least 1,000 hostile actions per environment
 
 
 @pytest.mark.slow
@@ -159,14 +159,17 @@ def test_http_status_codes(http_env):
     with socket.create_connection((host, port), timeout=5) as s:
         s.sendall(b"POST /tools/think HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\r\n")
         assert s.recv(200).split(b" ")[1] == b"411"
-    # garbage instead of HTTP, unknown methods, bad versions
+    # garbage instead of HTTP, unknown methods, bad versions: a status line and a JSON error all the same
     for raw, code in [(b"\x16\x03\x01 garbage\r\n\r\n", b"400"), (b"BREW /tools HTTP/1.1\r\n\r\n", b"405"),
                       (b"GET /tools HTTP/9.9\r\n\r\n", b"400"), (b"GET\r\n\r\n", b"400")]:
         with socket.create_connection((host, port), timeout=5) as s:
             s.sendall(raw)
-            reply = s.recv(400)
-            assert reply.startswith(b"HTTP/1.") and reply.split(b" ")[1] == code or b"Error code: " + code in reply, (
-                raw, reply)
+            reply = b""
+            while chunk := s.recv(4096):
+                reply += chunk
+            head, _, body = reply.partition(b"\r\n\r\n")
+            assert reply.startswith(b"HTTP/1.") and reply.split(b" ")[1] == code, (raw, reply)
+            assert "error" in json.loads(body), (raw, reply)
     # JSON nested deeper than the parser's recursion limit, and a string that is no valid Unicode
     deep = b'{"arguments": {"thought": ' + b"[" * 3000 + b"]" * 3000 + b"}}"
     assert post_raw(f"{url}/tools/think", deep, json_h)[0] == 400

@@ -3,8 +3,13 @@
 The agent sees the question, can list the schema and run read-only queries, and answers by
 submitting one SQL query with ``submit_answer``; the reward is 1.0 when that query's result set
 equals the ground-truth query's (rows compared as a multiset, numbers rounded to 2 decimals), else
-0.0. Writes are impossible: an authorizer lets only SELECT reach the database, ``query_only`` is on,
-and each statement is bounded in steps, length and rows returned.
+0.0. Writes are impossible: an authorizer lets only SELECT reach the database, ``query_only`` is on.
+
+Every query is bounded (``docs/limits.md`` lists the figures): a wall-clock deadline and a step count,
+checked between SQLite's virtual-machine steps; a length limit on every value, a short LIKE/GLOB
+pattern limit and a guarded ``printf``/``format``, so that no single function call can run for long
+either; and caps on the rows and bytes a result may return. A query that hits a limit gets an
+``Error: ...`` observation naming the limit.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import random
 import re
 import sqlite3
 import threading
+import time
 from collections import Counter
 from collections.abc import Generator
 from functools import lru_cache
@@ -24,6 +30,14 @@ from .retail_tools import ToolError, check_arguments
 MAX_ROWS_SHOWN = 20
 MAX_ROWS_GRADED = 5_000
 MAX_VM_STEPS = 2_000_000
+QUERY_SECONDS = 2.0
+# Per value (string or blob). The cost of one SQL function call grows with its inputs' lengths (LIKE
+# and instr() are quadratic), so this bound is also what keeps a single call short.
+MAX_VALUE_BYTES = 10_000
+MAX_LIKE_PATTERN = 200
+MAX_RESULT_BYTES = 1_000_000
+MAX_SQL_CHARS = 10_000
+MAX_COLUMNS = 100
 N_TRAIN, N_TEST = 600, 120
 
 BRANCHES = ["Downtown", "Harbor", "Uptown", "Airport", "Riverside", "Hillside", "Old Town", "Lakeside"]
@@ -219,6 +233,59 @@ def _normalise(rows) -> Counter:
     return Counter(tuple(cell(v) for v in row) for row in rows)
 
 
+def _row_bytes(row: tuple) -> int:
+    """What a result row costs to keep, roughly: text and blobs by length, other cells 8 bytes."""
+    return sum(len(v) if isinstance(v, str | bytes) else 8 for v in row)
+
+
+# one conversion of SQLite's printf: flags, width (digits or *), precision (digits or *), size, type
+_PRINTF_SPEC = re.compile(r"%([-+ 0#!,]*)(\*|\d+)?(?:\.(\*|\d*))?(l{0,2})(.?)", re.S)
+
+
+_NUMERIC_PREFIX = re.compile(r"\s*[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def _as_int(value) -> int:
+    """At least the integer SQLite reads from a printf argument: the number a text or blob starts with
+    ("1000000000abc" counts), infinity as a huge number, 0 for what holds no number."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, bytes):
+        value = value.decode("latin-1")
+    if isinstance(value, str):
+        m = _NUMERIC_PREFIX.match(value)
+        if m is None:
+            return 0
+        value = float(m.group())
+    try:
+        return int(value)
+    except OverflowError:  # infinity: SQLite reads the largest integer
+        return 2**63 - 1
+    except (TypeError, ValueError):  # NaN, None
+        return 0
+
+
+def printf_widths(fmt: str, args: tuple) -> list[int]:
+    """Every width and precision a ``printf(fmt, *args)`` call asks for (``*`` read from ``args``)."""
+    out, i = [], 0
+    for m in _PRINTF_SPEC.finditer(fmt):
+        _, width, precision, _, kind = m.groups()
+        if kind == "%":
+            continue
+        for part in (width, precision):
+            if part == "*":
+                out.append(abs(_as_int(args[i])) if i < len(args) else 0)
+                i += 1
+            elif part:
+                out.append(int(part))
+        i += 1  # the value converted
+    return out
+
+
+class _LimitHit(Exception):
+    """Raised inside a guarded SQL function; the query fails with this message."""
+
+
 class BankBackend:
     """Backend of ``sinkflex/BankSQL-v0`` (see the module docstring)."""
 
@@ -230,10 +297,38 @@ class BankBackend:
         master.backup(self.conn)
         self.conn.execute("PRAGMA query_only = ON")
         self.conn.set_authorizer(self._authorize)
-        self.conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 100_000)
-        self.conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, 10_000)
+        self.conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
+        self.conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, MAX_SQL_CHARS)
+        self.conn.setlimit(sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH, MAX_LIKE_PATTERN)
+        self.conn.setlimit(sqlite3.SQLITE_LIMIT_COLUMN, MAX_COLUMNS)  # bounds one row: columns x value length
+        # SQLite's printf loops over a huge width or precision (seconds for '%.*c' with 10**9) before
+        # its length limit applies, and no deadline can stop one call: refuse such formats first, then
+        # format with the real printf of a connection that holds no data.
+        self._printf_conn = sqlite3.connect(":memory:", check_same_thread=False)
+        self._printf_conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
+        self._limit_hit: str | None = None
+        for fn in ("printf", "format"):
+            self.conn.create_function(fn, -1, self._guarded_printf, deterministic=True)
         self.submitted: str | None = None
+        self.submitted_rows: list | None = None
         self.split, self.index = "train", 0
+
+    def _guarded_printf(self, fmt=None, *args):
+        if fmt is None:
+            return None
+        fmt = fmt if isinstance(fmt, str) else str(fmt)
+        if any(w > MAX_VALUE_BYTES for w in printf_widths(fmt, args)):
+            self._limit_hit = f"a printf width or precision above {MAX_VALUE_BYTES:,} (the value length limit)"
+            raise _LimitHit(self._limit_hit)
+        marks = ",".join("?" * (len(args) + 1))
+        try:
+            return self._printf_conn.execute(f"SELECT printf({marks})", (fmt, *args)).fetchone()[0]
+        except sqlite3.DataError as err:
+            self._limit_hit = f"a value longer than {MAX_VALUE_BYTES:,} bytes"
+            raise _LimitHit(self._limit_hit) from err
+        except sqlite3.Error as err:
+            self._limit_hit = f"a printf error ({str(err)[:80]})"
+            raise _LimitHit(self._limit_hit) from err
 
     @staticmethod
     def _authorize(action, arg1, arg2, dbname, source):
@@ -254,42 +349,78 @@ class BankBackend:
     def reset(self, split: str, task_index: int) -> tuple[str, dict]:
         self.split, self.index = split, task_index
         self.submitted = None
+        self.submitted_rows = None  # the last episode's answer may be up to MAX_RESULT_BYTES
         task = bank_tasks(self.seed, split)[task_index]
         return task["question"], dict(task)
 
-    def _run(self, query: str, limit: int) -> tuple[list[str], list[tuple], bool]:
+    def _run(self, query: str, max_rows: int, more_is_error: bool) -> tuple[list[str], list[tuple], bool]:
+        """Run ``query`` within every limit; ``(columns, at most max_rows rows, whether rows were left)``.
+
+        With ``more_is_error`` a result of more than ``max_rows`` rows is refused instead of cut."""
         # the authorizer is the real guard; this gives a clearer message for the common mistakes
         head = re.sub(r"(--[^\n]*\n|/\*.*?\*/|\s|\()+", " ", query, flags=re.S).strip().split(" ")[0].lower()
         if head not in ("select", "with", "values"):
             raise ToolError("only read-only SELECT queries are allowed")
+        deadline = time.monotonic() + QUERY_SECONDS
         steps = [0]
+        self._limit_hit = None
 
-        def progress():
+        def progress():  # called every 1,000 virtual-machine steps
             steps[0] += 1
-            return 1 if steps[0] > MAX_VM_STEPS // 1000 else 0
+            if steps[0] > MAX_VM_STEPS // 1000:
+                self._limit_hit = f"more than {MAX_VM_STEPS:,} steps"
+                return 1
+            if time.monotonic() > deadline:
+                self._limit_hit = f"the {QUERY_SECONDS:g} s deadline"
+                return 1
+            return 0
 
         self.conn.set_progress_handler(progress, 1000)
+        cur, rows, size, more = None, [], 0, False
         try:
             cur = self.conn.execute(query)
-            rows = cur.fetchmany(limit + 1)
             cols = [d[0] for d in cur.description or []]
-        except sqlite3.OperationalError as err:
+            while not more:
+                chunk = cur.fetchmany(64)
+                if not chunk:
+                    break
+                for row in chunk:
+                    if len(rows) == max_rows:
+                        if more_is_error:
+                            raise ToolError(f"the result has more than {max_rows:,} rows (limit)")
+                        more = True
+                        break
+                    size += _row_bytes(row)
+                    if size > MAX_RESULT_BYTES:
+                        raise ToolError(f"the result is larger than {MAX_RESULT_BYTES:,} bytes (limit)")
+                    rows.append(row)
+        except MemoryError as err:
+            rows = []
+            raise ToolError("the query ran out of memory") from err
+        except sqlite3.Error as err:
             msg = str(err)
-            if "interrupted" in msg:
-                msg = "the query ran too long"
+            if self._limit_hit is not None:
+                msg = f"the query was stopped: it reached {self._limit_hit}"
+            elif "too big" in msg:
+                msg = f"a value would be longer than {MAX_VALUE_BYTES:,} bytes (limit)"
             raise ToolError(msg[:200]) from err
-        except (sqlite3.DatabaseError, sqlite3.Warning, sqlite3.ProgrammingError, ValueError, OverflowError) as err:
+        except (sqlite3.Warning, ValueError, OverflowError) as err:  # e.g. two statements in one query
             raise ToolError(str(err)[:200]) from err
         finally:
             self.conn.set_progress_handler(None, 0)
-        return cols, rows[:limit], len(rows) > limit
+            if cur is not None:
+                cur.close()
+        return cols, rows, more
 
     def call_tool(self, name: str, arguments: dict) -> ToolResult:
         try:
             check_arguments(name, arguments, _SCHEMAS)
             if name == "list_tables":
                 return ToolResult(SCHEMA)
-            cols, rows, more = self._run(arguments["query"], MAX_ROWS_SHOWN if name == "run_sql" else MAX_ROWS_GRADED)
+            if name == "run_sql":
+                cols, rows, more = self._run(arguments["query"], MAX_ROWS_SHOWN, more_is_error=False)
+            else:
+                cols, rows, more = self._run(arguments["query"], MAX_ROWS_GRADED, more_is_error=True)
         except ToolError as err:
             return ToolResult(f"Error: {err}")
         if name == "submit_answer":
@@ -332,9 +463,11 @@ class BankBackend:
         return h.hexdigest()
 
     def close(self) -> None:
+        self.submitted_rows = None
         if self.conn is not None:  # the environment's private copy of the database
             self.conn.close()
             self.conn = None
+            self._printf_conn.close()
 
 
 class BankOracle:

@@ -150,6 +150,11 @@ class Action:
     error: str = ""
 
 
+def _short(err: Exception) -> str:
+    text = str(err).split(";")[0]
+    return text if len(text) <= 120 else text[:120] + "..."
+
+
 def _tool_from_obj(obj: Any) -> Action:
     if not isinstance(obj, dict):
         return Action("invalid", error="a tool call must be a JSON object with 'name' and 'arguments'")
@@ -166,6 +171,8 @@ def _tool_from_obj(obj: Any) -> Action:
             return Action("invalid", name=name, error=f"'arguments' is not valid JSON ({err.msg})")
         except RecursionError:
             return Action("invalid", name=name, error="'arguments' is nested too deeply")
+        except ValueError as err:  # an integer longer than Python's int-to-string limit
+            return Action("invalid", name=name, error=f"'arguments' cannot be read ({_short(err)})")
     if args is None:
         args = {}
     if not isinstance(args, dict):
@@ -195,6 +202,8 @@ def parse_action(text: str) -> Action:
             return Action("invalid", error=f"the tool call is not valid JSON ({err.msg} at char {err.pos})")
         except RecursionError:
             return Action("invalid", error="the tool call is nested too deeply")
+        except ValueError as err:  # an integer longer than Python's int-to-string limit
+            return Action("invalid", error=f"the tool call cannot be read ({_short(err)})")
         return _tool_from_obj(obj)
     stripped = text.strip()
     if stripped.startswith("```"):
@@ -202,7 +211,7 @@ def parse_action(text: str) -> Action:
     if stripped.startswith("{") and stripped.endswith("}"):
         try:
             obj = json.loads(stripped)
-        except (json.JSONDecodeError, RecursionError):  # not a tool call: a message
+        except (ValueError, RecursionError):  # not a tool call (JSONDecodeError is a ValueError): a message
             obj = None
         if isinstance(obj, dict) and "name" in obj and ("arguments" in obj or "parameters" in obj):
             return _tool_from_obj(obj)

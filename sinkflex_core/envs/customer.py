@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .retail_tasks import answer_given, identity_text
+from .retail_tasks import answer_given, identity_text, mentions
 
 STOP = "###STOP###"
 CONFIRM_MARK = "(yes/no)"
@@ -53,7 +53,7 @@ class ScriptedCustomer:
         req = self.requests[self.index]
         low = agent_text.lower()
         if CONFIRM_MARK in low:
-            if req["confirm_keys"] and not self.confirmed and all(k.lower() in low for k in req["confirm_keys"]):
+            if req["confirm_keys"] and not self.confirmed and all(mentions(k, agent_text) for k in req["confirm_keys"]):
                 self.confirmed = True
                 return "yes", False
             return self._strike("No, that is not what I want. " + req["text"])

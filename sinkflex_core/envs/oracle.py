@@ -9,6 +9,7 @@ nothing) when the policy says no. Its messages are short and regular on purpose.
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 import re
@@ -197,6 +198,16 @@ class RetailOracle:
         return (yield f"Done: {out}.")
 
 
+# Which world a tool set belongs to (a tool only that world has), and the module and class of its oracle;
+# the retail store is the default.
+_ORACLES = (
+    ("run_sql", (".bank", "BankOracle")),
+    ("search_direct_flight", (".airline_oracle", "AirlineOracle")),
+    ("patch_file", (".code_repair", "CodeRepairExpert")),
+    ("run", (".bash_env", "BashExpert")),
+)
+
+
 class OracleAgent:
     """The oracle for any of the registered environments; picks the right script from the tools.
 
@@ -206,12 +217,8 @@ class OracleAgent:
 
     def reset(self, observation: str, info: dict) -> None:
         names = {t["function"]["name"] for t in info["tools"]}
-        if "run_sql" in names:
-            from .bank import BankOracle
-
-            self._impl = BankOracle()
-        else:
-            self._impl = RetailOracle()
+        module, cls = next((where for tool, where in _ORACLES if tool in names), (".oracle", "RetailOracle"))
+        self._impl = getattr(importlib.import_module(module, __package__), cls)()
         self._impl.reset(observation, info)
 
     def act(self, observation: str | None = None, role: str = "user") -> str:

@@ -105,6 +105,8 @@ class RetailBackend:
         return self.customer.opening(), task
 
     def call_tool(self, name: str, arguments: dict) -> ToolResult:
+        if self.tools_impl is None:
+            return ToolResult("Error: no episode is running")
         return self.tools_impl.call(name, arguments)
 
     def respond(self, text: str) -> ToolResult:
@@ -129,6 +131,7 @@ class RetailBackend:
         return state_hash(self.conn)
 
     def close(self) -> None:
+        self.tools_impl = None
         if self.conn is not None:
             self.conn.close()
             self.conn = None

@@ -56,14 +56,27 @@ ANSWER_LABELS = ("pending", "processed", "delivered", "cancelled", "not availabl
 _LABEL_RE = {label: re.compile(rf"\b{re.escape(label)}\b") for label in ANSWER_LABELS}
 
 
+_NUMBER_RE = re.compile(r"\d+(?:\.\d+)?")
+
+
 def answer_given(answer: str, text: str) -> bool:
     """Whether the agent's message ``text`` gives ``answer``: it contains it (case and commas
-    ignored); an answer of :data:`ANSWER_LABELS` must be there as a word, and no other of them."""
+    ignored); an answer of :data:`ANSWER_LABELS` must be there as a word, and no other of them; a
+    number must be there as a whole number ("11067.45" and "1067.456" do not give 1067.45)."""
     low, want = text.lower().replace(",", ""), answer.lower().replace(",", "")
     if want in _LABEL_RE:  # as a word ("undelivered" is not "delivered"), and alone
         return bool(_LABEL_RE[want].search(low)) and not any(
             rx.search(low) for label, rx in _LABEL_RE.items() if label != want)
+    if _NUMBER_RE.fullmatch(want):
+        # no digit (nor a digit and a decimal point) may touch it on either side
+        return re.search(rf"(?<!\d)(?<!\d\.){re.escape(want)}(?!\d)(?!\.\d)", low) is not None
     return want in low
+
+
+def mentions(key: str, text: str) -> bool:
+    """Whether ``text`` names ``key`` (an id, a zip code, an address) as a whole token, case ignored:
+    "#W12345678" does not name order #W1234567, nor "1202 Oak Street" the address 202 Oak Street."""
+    return re.search(rf"(?<!\w){re.escape(key.lower())}(?!\w)", text.lower()) is not None
 
 
 def identity_text(persona: dict, by: str) -> str:

@@ -87,11 +87,17 @@ def _encodable(text: str) -> bool:
     return True
 
 
+def check_tool_name(name: str, schemas: dict = _SCHEMA_BY_NAME) -> None:
+    """Raise :class:`ToolError` unless ``name`` is one of the tools in ``schemas``."""
+    if not isinstance(name, str) or name not in schemas:
+        text = str(name)
+        shown = text if len(text) <= 60 else text[:60] + "..."
+        raise ToolError(f"unknown tool {shown!r}")
+
+
 def check_arguments(name: str, arguments: dict, schemas: dict = _SCHEMA_BY_NAME) -> None:
     """Raise :class:`ToolError` unless ``arguments`` fit the tool's JSON schema."""
-    if name not in schemas:
-        shown = name if len(name) <= 60 else name[:60] + "..."
-        raise ToolError(f"unknown tool {shown!r}")
+    check_tool_name(name, schemas)
     if not isinstance(arguments, dict):
         raise ToolError("arguments must be a JSON object")
     schema = schemas[name]

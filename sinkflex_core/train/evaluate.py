@@ -4,6 +4,7 @@ reward-curve tables of recorded runs (``benchmarks/reproduce_curve.py``, noteboo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -15,11 +16,11 @@ from typing import Any
 import torch
 
 from .checkpoint import file_digest
-from .config import ConfigError, TrainConfig, resolve_config, rollout_config
+from .config import ConfigError, resolve_config, rollout_config
 from .data import count_tasks, derive_seed
 
 
-def screened_tasks(path: str | Path, split: str, num_tasks: int) -> list[int]:
+def screened_tasks(path: str | Path, split: str, num_tasks: int, env_id: str = "sinkflex/Retail-v0") -> list[int]:
     """The tasks of ``split`` that a screening run solved sometimes but not always.
 
     ``path`` is a CSV with one row per task and the columns ``task``, ``successes`` and ``tries``, as
@@ -50,17 +51,18 @@ def screened_tasks(path: str | Path, split: str, num_tasks: int) -> list[int]:
         raise ConfigError(f"task_screen {path}: task {int(table['task'][table['task'].duplicated()].iloc[0])} "
                           "has more than one row")
     versions = set(table["reward_version"]) if "reward_version" in table.columns else {1}
-    if versions != {_reward_version()}:
+    if versions != {reward_version(env_id)}:
         warnings.warn(f"task_screen {path} was made under reward version(s) {sorted(versions)}, not the "
-                      f"current {_reward_version()}: the successes may differ now (screen again)", stacklevel=2)
+                      f"current {reward_version(env_id)}: the successes may differ now (screen again)", stacklevel=2)
     keep = table[(table["successes"] > 0) & (table["successes"] < table["tries"])]
     return sorted(int(t) for t in keep["task"])
 
 
-def _reward_version() -> int:
-    from ..envs.retail import REWARD_VERSION
+def reward_version(env_id: str = "sinkflex/Retail-v0") -> int:
+    """The version of ``env_id``'s reward (a task screen made under another one may be stale)."""
+    from ..envs.worlds import world_of
 
-    return REWARD_VERSION
+    return world_of(env_id).reward_version
 
 
 def per_task_rewards(batches: list, tasks: list[int], first_pos: int) -> dict[int, list[float]]:
@@ -84,16 +86,16 @@ def per_task_rewards(batches: list, tasks: list[int], first_pos: int) -> dict[in
 # Screening tasks: how often a saved policy solves each task (benchmarks/pass_at_k.py, task_screen)
 # --------------------------------------------------------------------------------------------------
 
-def task_kinds(split: str, tasks: list[int]) -> list[str]:
+def task_kinds(split: str, tasks: list[int], env_id: str = "sinkflex/Retail-v0") -> list[str]:
     """Each task's write actions (``+``-joined), ``"read only"`` for a task that changes nothing."""
-    from ..envs import get_tasks
+    from ..envs.worlds import world_of
 
-    all_tasks = get_tasks(0, split)
+    all_tasks = world_of(env_id).get_tasks(split)
     return ["+".join(sorted({a["name"] for a in all_tasks[t]["actions"]})) or "read only" for t in tasks]
 
 
 def success_counts(backend, tokenizer, split: str, tasks: list[int], samples: int, tasks_per_call: int = 8,
-                   seed: int = 0, progress: bool = True) -> list[int]:
+                   seed: int = 0, progress: bool = True, env_id: str = "") -> list[int]:
     """Successful episodes (reward 1) out of ``samples`` for each task, played by ``backend`` (a
     :class:`sinkflex_core.rollout.HFBackend` around the policy, or any generation backend) with the
     rollout settings of the tiny-cpu preset at its evaluation temperature."""
@@ -108,7 +110,7 @@ def success_counts(backend, tokenizer, split: str, tasks: list[int], samples: in
         for n, chunk in enumerate(tqdm(chunks, desc="rollouts per task", unit="call", disable=not progress)):
             call_seed = derive_seed(seed, "pass_at_k", n) & 0x7FFFFFFF
             torch.manual_seed(call_seed)
-            batches.append(collect_rollouts(backend, tokenizer, cfg.env_id, chunk, split,
+            batches.append(collect_rollouts(backend, tokenizer, env_id or cfg.env_id, chunk, split,
                                             rollout_config(cfg, call_seed, group_size=samples,
                                                            temperature=cfg.eval_temperature)))
     rewards = per_task_rewards(batches, tasks, 0)  # task position -> its samples' rewards, in order
@@ -116,31 +118,38 @@ def success_counts(backend, tokenizer, split: str, tasks: list[int], samples: in
 
 
 def policy_digest(policy_dir: str | os.PathLike) -> str:
-    """The first 16 hex digits of the SHA-256 of a saved policy's weights (``model.safetensors``)."""
-    return file_digest(Path(policy_dir) / "model.safetensors")[:16]
+    """The first 16 hex digits of the SHA-256 of a saved policy's weights (``model.safetensors``; for
+    LoRA adapters or sharded weights, of the digests of all its ``*.safetensors`` files in name order)."""
+    folder = Path(policy_dir)
+    if (folder / "model.safetensors").is_file():
+        return file_digest(folder / "model.safetensors")[:16]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors weights")
+    return hashlib.sha256("".join(file_digest(f) for f in files).encode()).hexdigest()[:16]
 
 
 def success_table(policy_dir: str | os.PathLike, split: str, tasks: list[int], samples: int,
-                  tasks_per_call: int = 8, seed: int = 0, progress: bool = True) -> Any:
+                  tasks_per_call: int = 8, seed: int = 0, progress: bool = True,
+                  env_id: str = "sinkflex/Retail-v0") -> Any:
     """One row per task (its write actions, successes out of ``samples``) for the saved policy in
     ``policy_dir``, with the policy's folder name and weights digest, the settings and provenance."""
     import pandas as pd
-    from transformers import AutoModelForCausalLM
 
+    from ..models import load_policy
     from ..models import load_tokenizer as load_saved_tokenizer
     from ..provenance import provenance
     from ..rollout import HFBackend
 
-    if not (Path(policy_dir) / "config.json").is_file():
-        raise FileNotFoundError(f"{policy_dir}: no saved model there (config.json missing)")
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
+    model = load_policy(policy_dir)  # with the attention it was trained with (sinks, window, sink logits)
     tokenizer = load_saved_tokenizer(policy_dir)
     counts = success_counts(HFBackend(model, tokenizer), tokenizer, split, tasks, samples, tasks_per_call, seed,
-                            progress)
-    table = pd.DataFrame({"task": tasks, "kind": task_kinds(split, tasks), "successes": counts, "tries": samples})
+                            progress, env_id)
+    table = pd.DataFrame({"task": tasks, "kind": task_kinds(split, tasks, env_id), "successes": counts,
+                          "tries": samples})
     table = table.assign(policy=Path(policy_dir).name, policy_digest=policy_digest(policy_dir), split=split,
-                         reward_version=_reward_version(), seed=seed,
+                         reward_version=reward_version(env_id), seed=seed,
                          minutes=round((time.perf_counter() - start) / 60, 2))
     for key, value in provenance().items():
         table[key] = value
@@ -148,7 +157,8 @@ def success_table(policy_dir: str | os.PathLike, split: str, tasks: list[int], s
 
 
 def screen_or_reuse(policy_dir: str | os.PathLike, path: str | os.PathLike, samples: int = 4,
-                    split: str = "train", tasks: int = 0, seed: int = 0, progress: bool = True) -> Path:
+                    split: str = "train", tasks: int = 0, seed: int = 0, progress: bool = True,
+                    env_id: str = "sinkflex/Retail-v0") -> Path:
     """Write ``path``, the screen of the first ``tasks`` tasks of ``split`` (0: all; ``samples``
     episodes each; pass it as ``task_screen``), unless it already holds one of these very weights (same
     ``policy_digest``, split, tasks and samples) made under the current ``REWARD_VERSION``; returns ``path``. The tiny policy takes about 20
@@ -156,7 +166,7 @@ def screen_or_reuse(policy_dir: str | os.PathLike, path: str | os.PathLike, samp
     import pandas as pd
 
     path = Path(path)
-    n = count_tasks(TrainConfig().env_id, split)
+    n = count_tasks(env_id, split)
     task_ids = list(range(min(tasks, n) if tasks else n))
     digest = policy_digest(policy_dir)
     if path.is_file():
@@ -164,17 +174,17 @@ def screen_or_reuse(policy_dir: str | os.PathLike, path: str | os.PathLike, samp
         if ({"task", "policy_digest", "split", "tries", "reward_version"} <= set(old.columns)
                 and list(old["task"]) == task_ids and set(old["policy_digest"].astype(str)) == {digest}
                 and set(old["split"]) == {split} and set(old["tries"]) == {samples}
-                and set(old["reward_version"]) == {_reward_version()}):
+                and set(old["reward_version"]) == {reward_version(env_id)}):
             print(f"screen: reusing {path} (same policy weights)", file=sys.stderr, flush=True)
             return path
     print(f"screen: {len(task_ids)} {split} tasks x {samples} episodes of {policy_dir} -> {path}", file=sys.stderr,
           flush=True)
-    table = success_table(policy_dir, split, task_ids, samples, seed=seed, progress=progress)
+    table = success_table(policy_dir, split, task_ids, samples, seed=seed, progress=progress, env_id=env_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     table.to_csv(tmp, index=False)
     os.replace(tmp, path)
-    kept = len(screened_tasks(path, split, n))
+    kept = len(screened_tasks(path, split, n, env_id))
     print(f"screen: {kept} of {len(task_ids)} tasks solved sometimes but not always", file=sys.stderr, flush=True)
     return path
 
@@ -206,7 +216,6 @@ def curve_table(run_dir: str | os.PathLike, seed: int, **extra) -> Any:
     return df
 
 
-
 def evaluations(df) -> Any:
     """The rows of a curve table that hold an evaluation, by seed and step, with ``last_eval`` True on
     each seed's last one: the end of its curve (seeds stopped by a time limit end at different steps)."""
@@ -235,4 +244,3 @@ def summarize_curves(df) -> Any:
         out = pd.concat([out, pd.DataFrame([{"seed": "mean", **num.mean().to_dict()},
                                             {"seed": "std", **num.std().to_dict()}])], ignore_index=True)
     return out
-

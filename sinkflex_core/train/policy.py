@@ -113,9 +113,15 @@ def load_model(cfg: TrainConfig, tokenizer, device: torch.device, model_config=N
         # weights are loaded in float32 there; a single process loads them in the compute dtype.
         load_dtype = torch.float32 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else dtype
         try:
-            model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=load_dtype, attn_implementation=attn)
+            if Path(cfg.model).is_dir():  # a saved policy: with the attention it was trained with
+                model = models.load_policy(cfg.model, dtype=load_dtype, attn_implementation=attn)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=load_dtype, attn_implementation=attn)
         except OSError as err:
             raise ConfigError(f"cannot load model {cfg.model!r}: {err}") from None
+        if cfg.attention != "sinkflex" and getattr(model.config, "_attn_implementation", None) == "sinkflex":
+            raise ConfigError(f"{cfg.model} was trained with sink attention; train it with attention=sinkflex "
+                              "(its learned sinks are kept), not with plain attention")
     if cfg.attention == "sinkflex":
         from .. import attention
 

@@ -80,7 +80,7 @@ class Trainer:
         n_train = count_tasks(cfg.env_id, cfg.train_split)
         self.train_task_ids = list(range(min(cfg.train_tasks, n_train) if cfg.train_tasks else n_train))
         if cfg.task_screen:
-            keep = set(screened_tasks(cfg.task_screen, cfg.train_split, n_train))
+            keep = set(screened_tasks(cfg.task_screen, cfg.train_split, n_train, cfg.env_id))
             self.train_task_ids = [t for t in self.train_task_ids if t in keep]
             if not self.train_task_ids:
                 raise ConfigError(f"task_screen {cfg.task_screen}: no task left to train on "
@@ -461,17 +461,20 @@ class Trainer:
         ``AutoModelForCausalLM.from_pretrained(path)``. LoRA: peft's adapter files, for
         ``peft.AutoPeftModelForCausalLM.from_pretrained(path)`` over the base ``cfg.model``. Learned
         sink logits are saved too (in the model's weights, or ``sink_logits.safetensors`` beside
-        LoRA adapters); after ``attention.apply(model, ..., learn_sinks=True)``,
-        ``attention.load_sink_logits(model, path)`` puts them back. Under FSDP every rank holds the
+        LoRA adapters), and the sink settings in ``sinkflex_attention.json``:
+        ``models.load_policy(path)`` loads the policy with all of them. Under FSDP every rank holds the
         whole weights in its rollout copy; the main process writes them. Returns the folder."""
         path = Path(path) if path is not None else self.out_dir / "policy"
         lm = self.rollout_lm if self.rollout_lm is not None else self.policy.lm
         if self.dist.main:
             from safetensors.torch import save_file
 
+            from .. import attention
+
             path.mkdir(parents=True, exist_ok=True)
             lm.save_pretrained(path)
             self.tokenizer.save_pretrained(path)
+            attention.save_attention_settings(lm, path)  # LoRA folders have no config.json to carry them
             sinks = {n: p.detach().cpu().contiguous() for n, p in lm.named_parameters()
                      if n.endswith("sinkflex_sink_logits")}
             if self.cfg.lora and sinks:

@@ -1,0 +1,126 @@
+"""The airline tools' JSON schemas, and the check of a call's arguments against them.
+
+The checker knows the small part of JSON Schema these tools use (strings with an optional enum,
+integers with bounds, arrays with a maximum length, objects with required properties), so that a
+malformed call is refused with a clear message before any SQL runs.
+"""
+
+from __future__ import annotations
+
+from .retail_tools import MAX_STRING, ToolError, _encodable
+
+CABIN_ENUM = ["basic_economy", "economy", "business"]
+CANCEL_REASONS = ("change of plan", "airline cancelled flight", "health", "weather", "other")
+
+_S = {"type": "string"}
+_DATE = {"type": "string", "description": "YYYY-MM-DD"}
+_FLIGHTS = {"type": "array", "maxItems": 6, "description": "every flight of the reservation, in order",
+            "items": {"type": "object", "properties": {"flight_number": _S, "date": _DATE},
+                      "required": ["flight_number", "date"]}}
+_PASSENGERS = {"type": "array", "maxItems": 5,
+               "items": {"type": "object", "properties": {"first_name": _S, "last_name": _S, "dob": _DATE},
+                         "required": ["first_name", "last_name", "dob"]}}
+_BAGS = {"type": "integer", "minimum": 0, "maximum": 50}
+
+
+def _fn(name: str, description: str, props: dict, required: list[str] | None = None) -> dict:
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": props,
+                       "required": list(props) if required is None else required}}}
+
+
+TOOL_SCHEMAS = [
+    _fn("search_direct_flight", "Direct flights between two airports on a date that can be booked, with free "
+        "seats and prices per cabin.", {"origin": _S, "destination": _S, "date": _DATE}),
+    _fn("search_onestop_flight", "Pairs of flights with one stop between two airports, both legs on the date.",
+        {"origin": _S, "destination": _S, "date": _DATE}),
+    _fn("get_flight_status", "The status of a flight on a date.", {"flight_number": _S, "date": _DATE}),
+    _fn("get_user_details", "A user's profile, membership, payment methods and reservation ids.", {"user_id": _S}),
+    _fn("get_reservation_details", "A reservation's flights, passengers, baggage, insurance and payments.",
+        {"reservation_id": _S}),
+    _fn("list_all_airports", "Every airport code with its city.", {}),
+    _fn("book_reservation", "Book flights for passengers; the payments must add up to the price (fares, $30 "
+        "insurance per passenger if taken, $50 per non-free checked bag).", {
+            "user_id": _S, "origin": _S, "destination": _S,
+            "flight_type": {"type": "string", "enum": ["one_way", "round_trip"]},
+            "cabin": {"type": "string", "enum": CABIN_ENUM}, "flights": _FLIGHTS, "passengers": _PASSENGERS,
+            "payment_methods": {"type": "array", "maxItems": 5, "items": {
+                "type": "object", "properties": {"payment_id": _S, "amount": {"type": "integer", "minimum": 0,
+                                                                              "maximum": 100_000}},
+                "required": ["payment_id", "amount"]}},
+            "total_baggages": _BAGS, "nonfree_baggages": _BAGS,
+            "insurance": {"type": "string", "enum": ["yes", "no"]}}),
+    _fn("cancel_reservation", "Cancel a whole reservation and refund every payment to its method.",
+        {"reservation_id": _S, "reason": {"type": "string", "enum": list(CANCEL_REASONS)}}),
+    _fn("update_reservation_flights", "Change the flights and/or cabin of a reservation (same origin, "
+        "destination and trip type); the fare difference is paid or refunded with the payment method.",
+        {"reservation_id": _S, "cabin": {"type": "string", "enum": CABIN_ENUM}, "flights": _FLIGHTS,
+         "payment_id": _S}),
+    _fn("update_reservation_baggages", "Set the number of checked bags (bags can be added, not removed); "
+        "the fee of the new non-free bags is paid with the payment method.",
+        {"reservation_id": _S, "total_baggages": _BAGS, "nonfree_baggages": _BAGS, "payment_id": _S}),
+    _fn("update_reservation_passengers", "Replace the passengers' details (the number of passengers stays).",
+        {"reservation_id": _S, "passengers": _PASSENGERS}),
+    _fn("send_certificate", "Give a user a travel certificate worth an amount in dollars.",
+        {"user_id": _S, "amount": {"type": "integer", "minimum": 1, "maximum": 1000}}),
+    _fn("calculate", "Evaluate an arithmetic expression (numbers, + - * / and parentheses).", {"expression": _S}),
+    _fn("think", "Think out loud; changes nothing.", {"thought": _S}),
+    _fn("transfer_to_human_agents", "Hand the customer to a human agent; ends the conversation.", {"summary": _S}),
+]
+TOOL_NAMES = [t["function"]["name"] for t in TOOL_SCHEMAS]
+WRITE_TOOLS = ("book_reservation", "cancel_reservation", "update_reservation_flights",
+               "update_reservation_baggages", "update_reservation_passengers", "send_certificate")
+SCHEMA_BY_NAME = {t["function"]["name"]: t["function"]["parameters"] for t in TOOL_SCHEMAS}
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
+def _check_value(where: str, spec: dict, value) -> None:
+    kind = spec["type"]
+    if kind == "string":
+        if not isinstance(value, str):
+            raise ToolError(f"{where} must be a string")
+        if len(value) > MAX_STRING:
+            raise ToolError(f"{where} is too long ({len(value)} characters)")
+        if not _encodable(value):
+            raise ToolError(f"{where} is not valid Unicode text (a lone surrogate)")
+        if "enum" in spec and value not in spec["enum"]:
+            raise ToolError(f"{where} must be one of {spec['enum']}")
+    elif kind == "integer":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ToolError(f"{where} must be an integer")
+        if not spec.get("minimum", -10**9) <= value <= spec.get("maximum", 10**9):
+            raise ToolError(f"{where} must be between {spec.get('minimum')} and {spec.get('maximum')}")
+    elif kind == "array":
+        if not isinstance(value, list):
+            raise ToolError(f"{where} must be a list")
+        if len(value) > spec.get("maxItems", 20):
+            raise ToolError(f"{where} has too many items (at most {spec.get('maxItems', 20)})")
+        for i, item in enumerate(value):
+            _check_value(f"{where}[{i}]", spec["items"], item)
+    elif kind == "object":
+        _check_object(where, spec, value)
+
+
+def _check_object(where: str, spec: dict, value) -> None:
+    if not isinstance(value, dict):
+        raise ToolError(f"{where} must be a JSON object")
+    props = spec["properties"]
+    for key in value:
+        if key not in props:
+            raise ToolError(f"{where} got an unexpected argument {_short(str(key))!r}")
+    for key in spec["required"]:
+        if key not in value:
+            raise ToolError(f"{where} is missing the argument {key!r}")
+    for key, item in value.items():
+        _check_value(f"argument {key!r}" if where.endswith("call") else f"{where}.{key}", props[key], item)
+
+
+def check_arguments(name: str, arguments: dict) -> None:
+    """Raise :class:`ToolError` unless ``name`` is an airline tool and ``arguments`` fit its schema."""
+    if name not in SCHEMA_BY_NAME:
+        raise ToolError(f"unknown tool {_short(name)!r}")
+    _check_object(f"the {name} call", SCHEMA_BY_NAME[name], arguments)

@@ -1,0 +1,122 @@
+"""A saved policy loads with the attention it was trained with: sink counts, window, learned
+zero-value sink logits and LoRA adapters, through models.load_policy, which the screen and pass@k
+(train.success_table) use; and a sink policy is not silently served with other attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sinkflex_core import attention as A
+from sinkflex_core import train
+from sinkflex_core.models import build_model, get_tokenizer, load_policy, tiny_qwen2_config
+from sinkflex_core.train import TrainConfig, Trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+TINY = dict(hidden_size=64, num_layers=2, tasks_per_step=1, group_size=2, max_total_tokens=200,
+            max_new_tokens_per_turn=8, max_turns=2, system_prompt="x", include_tools=False, eval_tasks=1,
+            eval_samples=1, threads=1, progress=False, tensorboard=False, attention="sinkflex", n_sink=2,
+            window=24)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokenizer")
+    get_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def _move_sinks(model, scale: float = 1.0) -> None:
+    """Learned sink logits away from their initial value, as training leaves them."""
+    with torch.no_grad():
+        for i, p in enumerate(A.sink_parameters(model)):
+            p.copy_(scale * torch.linspace(-1.5, 1.5, p.numel()) + 0.3 * i)
+
+
+def _inputs(vocab: int):
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, vocab, (2, 60), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    return ids, mask
+
+
+def test_exported_sink_policy_loads_with_its_attention(tokenizer_dir, tmp_path):
+    trainer = Trainer(TrainConfig.from_dict({**TINY, "tokenizer": tokenizer_dir, "out_dir": str(tmp_path / "run")}))
+    lm = trainer.policy.lm
+    _move_sinks(lm)
+    folder = trainer.export_policy()
+    ids, mask = _inputs(lm.config.vocab_size)
+    real = mask.bool()
+    loaded = load_policy(folder)
+    with torch.no_grad():
+        expect = lm.eval()(input_ids=ids, attention_mask=mask).logits
+        got = loaded(input_ids=ids, attention_mask=mask).logits
+    assert (got - expect)[real].abs().max() < 1e-5
+    assert [A._layer_settings(m) for m in A._attention_modules(loaded)] == [(2, 24), (2, 24)]
+    assert all(torch.equal(a, b) for a, b in zip(A.sink_parameters(loaded), A.sink_parameters(lm)))
+    # what plain from_pretrained (the screen's loader before) gives is another model
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        assert (plain(input_ids=ids, attention_mask=mask).logits - expect)[real].abs().max() > 0.05
+        # and asked for sink attention by name, it refuses to run without the learned sinks
+        plain.set_attn_implementation(A.IMPLEMENTATION)
+        with pytest.raises(ValueError, match="learned sink logits"):
+            plain(input_ids=ids)
+    # the screen / pass@k path runs on it (and reads the policy through load_policy)
+    table = train.success_table(folder, "train", [0], samples=1, progress=False)
+    assert list(table["task"]) == [0] and int(table["tries"].iloc[0]) == 1
+
+
+def test_exported_lora_sink_policy_loads_over_its_base(tokenizer_dir, tmp_path):
+    tok = get_tokenizer()
+    base = tmp_path / "base"
+    build_model(tiny_qwen2_config(len(tok), hidden_size=64, num_layers=2, tokenizer=tok), seed=4).save_pretrained(base)
+    tok.save_pretrained(base)
+    cfg = TrainConfig.from_dict({**TINY, "tokenizer": tokenizer_dir, "out_dir": str(tmp_path / "run"),
+                                 "model": str(base), "lora": True, "lora_r": 4})
+    trainer = Trainer(cfg)
+    lm = trainer.policy.lm
+    _move_sinks(lm)
+    with torch.no_grad():
+        for name, p in lm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)  # adapters that change the model
+    folder = trainer.export_policy()
+    assert (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file()
+    ids, mask = _inputs(len(tok))
+    real = mask.bool()
+    loaded = load_policy(folder)
+    with torch.no_grad():
+        expect = lm.eval()(input_ids=ids, attention_mask=mask).logits
+        got = loaded(input_ids=ids, attention_mask=mask).logits
+        bare = load_policy(base)(input_ids=ids, attention_mask=mask).logits
+    assert (got - expect)[real].abs().max() < 1e-4
+    assert (bare - expect)[real].abs().max() > 1e-3  # adapters and sinks did matter
+    assert A.attention_settings(folder) == {"n_sink": 2, "window": 24, "layer_sinks": None, "learn_sinks": True}
+    table = train.success_table(folder, "train", [0], samples=1, progress=False)  # the screen reads adapters too
+    assert list(table["task"]) == [0] and len(table["policy_digest"].iloc[0]) == 16
+
+
+def test_policy_folders_that_cannot_be_loaded_say_why(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no saved model"):
+        load_policy(tmp_path)
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA", "base_model_name_or_path": null}')
+    with pytest.raises(ValueError, match="base_model"):
+        load_policy(tmp_path)
+
+
+def test_a_sink_policy_is_not_served_by_vllm_with_plain_attention(tmp_path):
+    from sinkflex_core.rollout import VLLMBackend
+
+    tok = get_tokenizer()
+    model = A.apply(build_model(tiny_qwen2_config(len(tok), hidden_size=64, num_layers=1, tokenizer=tok)),
+                    n_sink=2, window=24)
+    with pytest.raises(ValueError, match="sink attention"):
+        VLLMBackend(model, tok)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="sink attention"):
+        VLLMBackend(model_path=str(tmp_path))
