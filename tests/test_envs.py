@@ -340,7 +340,7 @@ def test_reset_contract(env_id):
             assert step_info["obs_role"] in ("user", "tool")
             if terminated or truncated:
                 break
-        assert truncated or terminated and all(r == 0.0 for r in rewards)
+        assert (terminated or truncated) and all(r == 0.0 for r in rewards), (terminated, truncated, rewards)
         obs, reward, terminated, _, _ = env.unwrapped.step('<tool_call>{"name": "think", "arguments": {}}</tool_call>')
         assert obs.startswith("Error: the episode has ended") and terminated
         with pytest.raises(ValueError, match="task_index"):

@@ -55,6 +55,7 @@ def test_oracle_rollouts_are_token_exact_and_solve_their_tasks(tok):
     assert batch.group_ids.tolist() == [0, 0, 1, 1, 2, 2]
     assert batch.rewards.tolist() == [1.0] * 6
     assert {s["ended_by"] for s in batch.stats} == {"env"}
+    gen_prompt = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
     for i, traj in enumerate(batch.trajectories):
         check = check_template_consistency(traj, tok)
         assert check.equal, str(check)
@@ -75,6 +76,12 @@ def test_oracle_rollouts_are_token_exact_and_solve_their_tasks(tok):
             spans.append(cur)
         assert len(spans) == traj.turns == sum(m["role"] == "assistant" for m in traj.messages)
         assert all(s[-1] == tok.eos_token_id and tok.eos_token_id not in s[:-1] for s in spans)
+        # Each span starts right after the generation prompt: the environment's (or the prompt's)
+        # last token, the newline of "<|im_start|>assistant\n", is not trained on.
+        starts = [k for k in range(1, n) if mask[k] and not mask[k - 1]]
+        assert starts[0] == traj.prompt_len, (starts[0], traj.prompt_len)
+        for k in starts:
+            assert traj.input_ids[k - len(gen_prompt):k] == gen_prompt, tok.decode(traj.input_ids[k - 8:k + 2])
 
 
 @pytest.mark.slow
@@ -114,8 +121,7 @@ def test_rollouts_are_reproducible_and_depend_on_the_seed(tok, model):
     assert not torch.equal(a.input_ids[0], a.input_ids[1])
     cfg.seed = 12
     c = collect_rollouts(_chatty_backend(model, tok), tok, ENV, [2], "train", cfg)
-    assert not torch.equal(a.input_ids, c.input_ids) if a.input_ids.shape == c.input_ids.shape else True
-    assert a.trajectories[0].input_ids != c.trajectories[0].input_ids
+    assert all(x.input_ids != y.input_ids for x, y in zip(a.trajectories, c.trajectories, strict=True))
 
 
 @pytest.mark.slow

