@@ -332,7 +332,7 @@ def main(argv=None) -> int:
         args.warmup, args.iters = 1, 2
     warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
     # one static compile per shape (what the timings should measure); 13+ shapes exceed the default limit
-    A.FLEX_COMPILE_DYNAMIC = False
+    A.kernels.FLEX_COMPILE_DYNAMIC = False
     import torch._dynamo.config as dynamo_config
 
     for name in ("recompile_limit", "cache_size_limit"):

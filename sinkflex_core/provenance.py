@@ -4,6 +4,7 @@ what hardware, with which library versions and seed, so that a number in a figur
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 import subprocess
 
@@ -11,7 +12,10 @@ from .paths import repo_root
 
 
 def git_sha(short: bool = True) -> str:
-    """The commit of the working tree (``+dirty`` when it has uncommitted changes), or ``unknown``."""
+    """The commit of the working tree (``+dirty`` when it has uncommitted changes); ``SINKFLEX_GIT_SHA``
+    when set (a copied tree without ``.git``, e.g. on a GPU machine); ``unknown`` otherwise."""
+    if os.environ.get("SINKFLEX_GIT_SHA"):
+        return os.environ["SINKFLEX_GIT_SHA"]
     try:
         root = repo_root()
         cmd = ["git", "rev-parse", "--short", "HEAD"] if short else ["git", "rev-parse", "HEAD"]
@@ -23,19 +27,23 @@ def git_sha(short: bool = True) -> str:
         return "unknown"
 
 
-def hardware() -> str:
-    """``cuda:<name>`` for the first GPU, else ``cpu:<processor> x<threads>``."""
-    import torch
-
-    if torch.cuda.is_available():
-        return f"cuda:{torch.cuda.get_device_name(0)}"
-    cpu = platform.processor() or platform.machine()
+def cpu_model() -> str:
+    """The processor's name (``/proc/cpuinfo``), else what ``platform`` knows."""
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
-        pass
-    return f"cpu:{cpu} x{torch.get_num_threads()}"
+        return platform.processor() or platform.machine()
+
+
+def hardware(device: str | None = None) -> str:
+    """``cuda:<name>`` for the first GPU, else ``cpu:<processor> x<threads>``; ``device="cpu"``: the
+    CPU even when a GPU is present."""
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        return f"cuda:{torch.cuda.get_device_name(0)}"
+    return f"cpu:{cpu_model()} x{torch.get_num_threads()}"
 
 
 def provenance(seed: int | None = None, **extra) -> dict:

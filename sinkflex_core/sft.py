@@ -1,177 +1,31 @@
-"""Supervised fine-tuning of the tiny policy on the oracle agent's trajectories (the synthetic
-expert data), stopped early, as the starting point of GRPO.
+"""Supervised fine-tuning of the tiny policy on the oracle agent's trajectories, stopped early: the
+start policy of GRPO.
 
     python -m sinkflex_core.sft --out-dir runs/sft --stop-at-reward 0.25
+    python -m sinkflex_core.sft --help                    # every option, with its default
 
-The expert data are episodes played by :class:`sinkflex_core.envs.OracleAgent` on the retail world's
-10,000 synthetic tasks (``expert_split="synthetic"``, the default: a separate draw over the training
-users, apart from the 600 GRPO tasks; ``"train"`` uses the training tasks but the validation ones) through
-:class:`sinkflex_core.rollout.AgentBackend`: the same conversations as
-:func:`sinkflex_core.envs.expert_conversation`, assembled token by token exactly as a policy rollout
-is (prompt, assistant turns with loss mask 1, environment replies with loss mask 0), so what the
-policy learns here is what GRPO later samples and scores. The loss is the mean negative log-likelihood
-of the expert's tokens, plus (``context_loss_weight``, default 1) the same loss on every other token
-of the episode: the customer's messages and the tool outputs. A pretrained LLM arrives knowing how
-to copy a string from its context; a tiny model trained from scratch does not, and the records the
-tools print repeat ids that appeared earlier in the episode, so this next-token loss on the whole
-conversation is the cheapest teacher of copying there is. Measured on the retail world (hidden 128,
-4 layers, one thread, 600 optimizer steps of 4,096 tokens): the expert's digit tokens were predicted
-correctly 29 % of the time with the context loss and 15 % without it.
+The recipe, in the order :func:`train_sft` runs it:
 
-Copying needs an induction circuit (a previous-token head, then a head that matches the current
-token against what preceded each earlier token); a pretrained LLM has one, a tiny model trained from
-scratch must find both heads at once and sits on a long loss plateau. Trained as above but without
-help (hidden 128, 4 layers, one thread, best validation step 1,500 of 2,501), the policy learned the
-conversations' form and memorised users, and hardly copied: teacher-forced greedy accuracy
-(:func:`expert_token_accuracy`) on the oracle's episodes of 60 test tasks (users never seen) was 5.3 %
-on the first token of a number (which id to copy), 23 % on the following tokens of a number and 97 %
-on every other expert token. Neither 18 times as many distinct episodes (``expert_split="synthetic"``:
-6.1 % / 26 %) nor copy drills mixed into the batches (``copy_fraction`` 0.25 for 900 steps: 5.3 % /
-27 %) changed that. So by default the new model starts with previous-token heads
-(``previous_token_heads``: :func:`sinkflex_core.models.init_previous_token_heads`), learns to copy on
-drills alone for ``copy_warmup_steps`` (loss 8.06 -> 0.34 in 800 steps), then trains on the expert
-episodes with 10 % drills kept in the batches. Which of the two first ingredients matters most was
-not separated: on drills alone the heads' head start depended on the optimizer settings (see
-:func:`sinkflex_core.models.init_previous_token_heads`). Measured with two threads (38 minutes after the
-warm-up, 2,321 steps, best validation step: the last): 68 % / 91 % / 98 % on the same 60 test tasks,
-and the same on validation tasks (67 % / 92 %): it copies, and no longer memorises users. Test reward
-(60 tasks x 2, temperature 1) stayed low: 0.033, against 0.017 for the earlier recipe; a task fails
-when any one of its ids is wrong.
+- expert data: episodes of :class:`sinkflex_core.envs.OracleAgent` on the retail world's 10,000
+  synthetic tasks (``expert_split``), played through :class:`sinkflex_core.rollout.AgentBackend`, so
+  they are assembled token by token exactly as a policy rollout is; people and places renamed at
+  random (``swap_names``) so that remembering the training users does not pay;
+- a new model starts with previous-token heads (``previous_token_heads``) and learns to copy on drills
+  alone (``copy_warmup_steps``), because a tiny model trained from scratch has no induction circuit;
+- the loss: mean negative log-likelihood of the expert's tokens plus, weighted by
+  ``context_loss_weight``, of every other token of the episode (customer messages and tool outputs,
+  which repeat ids seen earlier: the cheapest teacher of copying); ``copy_fraction`` of each batch's
+  rows stay copy drills;
+- optional stages, off by default: key-value recall drills (``recall_*``), a heavier loss on the
+  first token of tool-call values (``value_loss_weight``), the identity stage that scores the values
+  of the identity call alone (``identity_*``; :data:`IDENTITY_STAGE` is the recorded second stage);
+- early stopping: every ``eval_every`` optimizer steps the policy plays held-out training tasks (the
+  last ``val_tasks`` of the ``"train"`` split, never in the SFT data) with the rollout settings of the
+  GRPO run; training stops at the first evaluation whose mean reward reaches ``stop_at_reward`` (the
+  paper's starting point is 0.25), or at ``max_steps`` / ``max_minutes``, keeping the best weights.
 
-What it still misses is reading a value out of the customer's sentence: the e-mail, the name and zip
-(``I am Anya Green, zip 92181.``), a new street address, which item of an order the customer
-described in words. Two changes address what a tiny model cannot work around; neither taught it
-that reading (below). The tokenizer now keeps a word the same token after a space and after a quote
-(:func:`sinkflex_core.models.train_tokenizer`), so a name is a copy at the token level at all; and
-the default SFT data are the 10,000 synthetic tasks (less than one pass in 40 minutes, where the
-560 training tasks were repeated 15 times) with every episode's people and places renamed
-(``swap_names``: :func:`swap_names`), so that remembering the training users does not pay. With both,
-at step 1,000 of the same seed, renaming raised the first-token accuracy on numbers in the expert's
-sentences from 69 % to 75 % and on user ids in calls from 81 % to 86 %. The one-stage start (the
-defaults; 2,006 steps in 40 minutes on two threads, other jobs beside it part of the time; trained
-again as the first stage of the two-stage start below: 2,197 steps, best validation step 2,000, the
-same accuracies): 70 % / 92 % / 98 % on the 60 test tasks (validation: 70 % / 92.5 %), test reward 0.042. The first token of a
-value read from a sentence is still almost never right (teacher-forced, 60 test tasks): zip 1 of 42,
-e-mail 1 of 36, first name 2 of 24, last name 1 of 24, street number 0 of 18, city 0 of 18 (the
-previous start: 0, 12, 4, 1, 0 and 3); at the zip no attention head put more than about 1 % of its
-weight on the zip in the customer's sentence (3 test episodes). Plain
-induction matches the token just before a copy; here the cue is a word or two earlier (``zip`` then a
-space, ``"zip": "`` in the call), and that match is what the model has not found.
-
-Three more options aim at that lookup; all are off by default because none taught it (teacher-forced
-first-token hits on the same 60 test tasks; one-off runs on two cores):
-
-- ``value_loss_weight`` weighs the first token of every tool-call argument value (and tool name;
-  :func:`value_start_mask`, 5 % of the expert's tokens) more. Continuing the one-stage start for 300
-  steps, one thread each, side by side (the mask then did not mark order-id digits): weight 10 against
-  1 raised first names 5 -> 11 of 24 and user ids 62 -> 70 of 72; zip codes stayed 0 of 42, e-mails
-  6 -> 7 of 36.
-- ``swap_numbers`` permutes the 1,000 three-digit tokens per episode (:func:`number_swap_group`), so
-  no id can be remembered from the training users' orders. From scratch with weight 10 and renumbering
-  (1,587 steps in 40 minutes; other jobs slowed it): validation reward 0 at every evaluation, test
-  reward 0.000 (60 x 2) against 0.042 for the one-stage start, zip 0, e-mail 1, first and last name 0;
-  user ids 69 of 72.
-- ``opening_copies`` adds each episode's opening up to its first tool call (:func:`episode_openings`,
-  the identity lookup) again. Ten copies (two thirds of the tokens) for 300 steps from that run's step
-  1,000: zip 0, e-mail 0, first name 0, last name 2. From scratch with 50 copies (nine tenths of the
-  tokens; one thread, 751 steps in 18 minutes after the warm-up): zip 0, e-mail 1, first and last name 1.
-
-At those positions no head attends to the value in the customer's sentence (the ten-copies run, 6 test
-episodes, first name, last name and zip: the most attending head puts at most 1.8 % of its weight
-there), and the probability of the right name is about uniform over the 40 first names. We first
-read this as a plateau; the identity stage below shows it was dilution: in the episode's mean loss
-those values are a few tokens among about a thousand, and the rest of the episode keeps the
-gradient busy.
-
-Key-value recall drills (:func:`recall_drills`; ``recall_warmup_steps`` on drills alone, then
-``recall_fraction`` of each batch's rows) taught the first of these lookups, the zip code, and with
-it no reward. A drill states a few facts ``key SEP value`` among random tokens and asks the keys again
-after other separator tokens; the default layout (one separator in the fact, one or two in the
-question) is the zip code's. Measured on the one-stage start (two threads, teacher-forced first tokens
-on the 60 test tasks as above): 400 steps of drills alone (16 rows of 256 tokens, lr 2e-3) took the
-drills' first value token from 7 % to 91 % right, and the zip code in the identity call from 1 to 21
-of 42 at once, while the rest of the episode fell apart (tool names 6 of 245); 300 steps on the expert
-episodes with a quarter of the rows drills restored it (tool names 232 of 245) and kept the zip
-(24 of 42); 300 more with ``value_loss_weight`` 10: zip 24, e-mail 5 of 36, first name 3, last name 2
-of 24, user ids 69 of 72, validation reward 0.075 and test reward 0.050 (60 x 2; the one-stage start
-0.042). The same in one command (``python -m sinkflex_core.sft --init-from runs/curve/sft
---recall-warmup-steps 400 --recall-fraction 0.25 --value-loss-weight 10 --max-steps 600``, drill rows
-of 128 tokens; 13 minutes of SFT after the warm-up, two threads): zip 24, e-mail 3, first name 2, last
-name 0, user ids 69; validation reward 0.075, test reward 0.025.
-The reward does not move because a name-and-zip task also needs both names and an e-mail task the
-e-mail, and there the model still guesses (the same command with ``--max-steps 1200``, at step 300,
-wrote ``liam`` for every e-mail and ``Leo`` for every first name; the two-stage run above, a handful
-of names, mostly wrong): their cue
-is not the same token in the sentence and in the call (``am`` before a name; ``email is`` three tokens
-before the e-mail, where the call has ``"email": "``).
-Drills with one to three separators in the fact, the e-mail's layout, were learned more slowly
-(continuing the zip-drilled model: 32 % -> 65 % of their first value tokens in 600 steps) and, after
-300 steps on the expert episodes (a quarter of the rows drills, value weight 10), did not carry over,
-whether those drills had the zip's layout or the e-mail's (``recall_fact_fillers`` 3): e-mail 1 of
-36 both times, and user ids fell to 7 and 12 of 72. Turning layer 0's second KV group of the recorded
-start into heads that look three and four tokens back (:func:`sinkflex_core.models.init_previous_token_heads`
-with ``kv_head=1, offsets=(3, 4)``), so that the e-mail's key is in view of one head, broke what the
-start had: on those drills its loss fell from 12.5 to 7.4 in 50 steps and stayed there (7.2 at step
-350), with no value right after 400 steps.
-Mixed into the batches without a warm-up, drills with 1-3 separators on both sides were not learned
-(300 steps, 30 % or 50 % of the rows: 4 % of their first value tokens right). So the drills are off by
-default.
-
-The identity stage (``identity_warmup_steps``, ``identity_rows``; :func:`identity_batch`,
-:data:`IDENTITY_STAGE`, :func:`identity_stage`) scores those values alone: episode openings, renamed
-(and renumbered, so that a training user's order ids are no key to their zip), with only the first
-token of each value of the identity call in the loss, first on their own, then as ``identity_rows``
-extra rows with a loss of their own at every SFT step. Continuing the one-stage start (teacher-forced
-first tokens on the 60 test tasks; one-off runs on two threads): openings alone, 48 rows a step, lr
-1e-3, names renamed, took e-mail / first name / last name / zip from 1 / 2 / 1 / 1 to 32 / 23 / 3 / 0
-in 100 steps, 36 / 24 / 22 / 0 in 200 and 36 / 24 / 24 / 4 in 300, while the rest of the episode fell
-apart (300 more steps: test reward 0.000, 1.95 turns an episode). 300 warm-up steps of 8 rows, then
-500 SFT steps with 8 identity rows beside each batch (names renamed only; ``python -m
-sinkflex_core.sft --init-from runs/curve/sft --identity-warmup-steps 300 --identity-rows 8 --max-steps
-500 --eval-every 250``) kept the episodes' form and the lookup: 36 / 24 / 24 / 2, test reward 0.092
-(60 tasks x 2, temperature 1; the one-stage start 0.042). The zip needs the renumbering (continuing
-that run with renumbered openings: 2 -> 8 -> 14 of 42 in 100 and 200 steps). Values the customer
-describes in words stay unread: which items of an order (0 of 28 item ids), a new street address
-(0 of 18) and a city (0 of 18); scoring every tool-call value of whole episodes the same way
-(4 rows a step, 300 steps) did not move them.
-
-The recorded start is the one-stage start continued by :data:`IDENTITY_STAGE` (``python
-benchmarks/reproduce_curve.py``; renamed and renumbered openings; 300 warm-up steps in 2.5 minutes,
-identity loss 2.72 -> 1.27, then 500 steps in 12.1 minutes on two threads, validation reward 0.050 at
-both evaluations; a one-off run with 600 warm-up steps had an SFT loss of 1.86 at step 250, against
-1.02, and validation reward 0.025): e-mail 36 of 36, first name 24 of 24, last name 24 of 24, the
-identity call's zip 0 of 24; first tokens of numbers 69 %, the rest 92 % and 99 %. At GRPO's first
-evaluation (60 test tasks x 2, each seed sampling its own episodes) it scored 0.042, 0.025 and 0.042,
-against 0.025, 0.033 and 0.042 for the one-stage start (and 0.067, 0.042 and 0.058 in the
-current recording): reading the customer's identity is not what holds the reward down. 33 of the 60 test tasks need a value the customer describes in words (a new
-address, the items of an order), and the other 27 need every id of the task copied right (about 70 %
-each at the first token).
-
-Longer SFT does not lift that plateau. Continuing the recorded start for 50 more minutes (``python -m
-sinkflex_core.sft --init-from runs/curve/sft_identity --identity-rows 8 --max-steps 4000 --max-minutes 50
---eval-every 500 --lr 1e-3 --warmup-steps 10``; 2,158 steps on two threads, training loss 0.36 -> 0.28)
-gave validation rewards of 0.000, 0.100, 0.025, 0.050 and 0.050 at steps 500, 1,000, 1,500, 2,000 and
-2,158: noise around the start's 0.050 (40 tasks, one sample each). The weights it kept (step 1,000, the
-best evaluation) predicted, teacher-forced on the 60 test tasks, 70.3 % of the first tokens of numbers
-right (the start: 69.4 %), 91.9 % of the following ones (91.8 %), 98.7 % of the other expert tokens
-(98.6 %) and 89.3 % of the identity call's values (85.7 %).
-
-Which tasks the start can solve at all (``python benchmarks/pass_at_k.py --policy runs/curve/sft_identity``,
-16 episodes of each of the 60 test tasks, ``data/pass_at_k_sft_start.csv``): 11 of the 15 read-only tasks
-and the 3 plain cancellations, at least once each; not one of the other 42 (an address, a payment method
-or items changed; a payment method, too, is named in words: ``my gift card``) in 672 episodes. pass@1 is
-0.049, pass@16 0.233. The same holds for the 600 training tasks (4 episodes each,
-``data/train_screen_sft_start.csv``): 90 were solved sometimes but not always (77 read-only
-tasks, 11 cancellations, 2 payment-method changes). GRPO on those 90
-alone (``task_screen``, :func:`sinkflex_core.train.screened_tasks`) took the test reward from 0.056 to
-0.092 over 3 seeds (+0.036 +- 0.043; the same recipe under the earlier reward, which also accepted a
-message naming several order statuses: +0.089 +- 0.046). On all 600 training tasks (earlier reward)
-it gained +0.019 +- 0.047. (These figures are under ``REWARD_VERSION`` 2 unless said otherwise.)
-
-Early stopping: every ``eval_every`` optimizer steps the policy plays held-out training tasks (the
-last ``val_tasks`` tasks of the ``"train"`` split, never in the SFT data) with the rollout settings of the GRPO
-run; training stops at the first evaluation whose mean reward reaches ``stop_at_reward`` (the paper's
-starting point is 0.25), or at ``max_steps`` / ``max_minutes``.
+What each choice changed, and what was tried and dropped, with the commands and figures:
+``docs/experiments.md``.
 """
 
 from __future__ import annotations
@@ -191,74 +45,91 @@ import numpy as np
 import torch
 
 from .models import DEFAULT_VOCAB_SIZE
-from .train import COMPACT_SYSTEM_PROMPT, ConfigError, TokenLogprobs, _coerce_simple, _is_optional
+from .train import (
+    COMPACT_SYSTEM_PROMPT,
+    ConfigError,
+    TokenLogprobs,
+    add_config_arguments,
+    option,
+    parse_field,
+)
 
 
 @dataclass
 class SFTConfig:
     """Model shape, expert data, optimisation and early stopping of the SFT run."""
 
-    seed: int = 0
-    env_id: str = "sinkflex/Retail-v0"
-    vocab_size: int = DEFAULT_VOCAB_SIZE
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4  # head dimension 32; 0: hidden_size // 64 (models.tiny_qwen2_config's rule)
-    num_kv_heads: int = 2  # 0: half the heads
-    init_from: str = ""  # a saved policy folder (an earlier SFT run) to continue training; its shape and
-    #                      tokenizer replace the four fields above
+    seed: int = option(0, "seed of the initial weights, the data order and the evaluations")
+    env_id: str = option("sinkflex/Retail-v0", "the Gymnasium environment")
+    vocab_size: int = option(DEFAULT_VOCAB_SIZE, "tokenizer vocabulary")
+    hidden_size: int = option(128, "hidden size of the new model")
+    num_layers: int = option(4, "decoder layers of the new model")
+    num_heads: int = option(4, "head dimension 32; 0: hidden_size // 64 (models.tiny_qwen2_config's rule)")
+    num_kv_heads: int = option(2, "0: half the heads")
+    init_from: str = option("", "a saved policy folder (an earlier SFT run) to continue training; its shape "
+                                "and tokenizer replace the four fields above")
     # -- the prompt and episode limits (use the GRPO run's values) --
-    system_prompt: str | None = COMPACT_SYSTEM_PROMPT
-    include_tools: bool = False
-    max_turns: int = 16
-    max_total_tokens: int = 2048  # longer expert trajectories are cut here (the rollout would end there)
-    max_new_tokens_per_turn: int = 128
+    system_prompt: str | None = option(COMPACT_SYSTEM_PROMPT, "None: the environment's policy text")
+    include_tools: bool = option(False, "tool schemas in the system turn")
+    max_turns: int = option(16, "most assistant turns per episode")
+    max_total_tokens: int = option(2048, "longer expert trajectories are cut here (the rollout would end "
+                                         "there)")
+    max_new_tokens_per_turn: int = option(128, "most tokens of one assistant turn")
     # -- data --
-    expert_split: str = "synthetic"  # where the expert episodes come from: "synthetic" (10,000 tasks) or "train"
-    train_tasks: int = 0  # expert episodes from the first N tasks of expert_split (0: all; for "train",
-    #                       all but the validation ones)
-    val_tasks: int = 40  # the last N tasks of the "train" split: never in the SFT data, for early stopping
+    expert_split: str = option("synthetic", "where the expert episodes come from: 'synthetic' (10,000 tasks) "
+                                            "or 'train'")
+    train_tasks: int = option(0, "expert episodes from the first N tasks of expert_split (0: all; for "
+                                 "'train', all but the validation ones)")
+    val_tasks: int = option(40, "the last N tasks of the 'train' split: never in the SFT data, for early "
+                                "stopping")
     # -- optimisation --
-    batch_tokens: int = 4096  # padded tokens per optimizer step
-    lr: float = 2e-3
-    context_loss_weight: float = 1.0  # weight of the loss on non-expert tokens (0: classic SFT)
-    value_loss_weight: float = 1.0  # weight of the first token of each tool-call argument value (value_start_mask)
-    copy_fraction: float = 0.1  # share of each batch's rows that are copy drills (add_copy_rows); 0: none
-    recall_fraction: float = 0.0  # about this share of each batch's rows are key-value recall drills (recall_drills)
-    swap_names: float = 1.0  # share of the expert episodes whose people and places are renamed (swap_names)
-    opening_copies: int = 0  # extra rows per episode of its opening, up to its first tool call (episode_openings)
-    swap_numbers: float = 0.0  # share of the expert episodes whose numbers are renumbered (number_swap_group)
-    identity_rows: int = 0  # episode openings per optimizer step whose identity-call values add their own
-    #                         mean loss to the step's (identity_batch)
+    batch_tokens: int = option(4096, "padded tokens per optimizer step")
+    lr: float = option(2e-3, "peak AdamW learning rate")
+    context_loss_weight: float = option(1.0, "weight of the loss on non-expert tokens (0: classic SFT)")
+    value_loss_weight: float = option(1.0, "weight of the first token of each tool-call argument value "
+                                           "(value_start_mask)")
+    copy_fraction: float = option(0.1, "share of each batch's rows that are copy drills (add_copy_rows); 0: "
+                                       "none")
+    recall_fraction: float = option(0.0, "about this share of each batch's rows are key-value recall drills "
+                                         "(recall_drills)")
+    swap_names: float = option(1.0, "share of the expert episodes whose people and places are renamed "
+                                    "(swap_names)")
+    opening_copies: int = option(0, "extra rows per episode of its opening, up to its first tool call "
+                                    "(episode_openings)")
+    swap_numbers: float = option(0.0, "share of the expert episodes whose numbers are renumbered "
+                                      "(number_swap_group)")
+    identity_rows: int = option(0, "episode openings per optimizer step whose identity-call values add their "
+                                   "own mean loss to the step's (identity_batch)")
     # the next three apply to a new model only (skipped with init_from)
-    previous_token_heads: bool = True  # start layer 0's first KV group as previous-token heads
-    #                                    (models.init_previous_token_heads)
-    copy_warmup_steps: int = 800  # optimizer steps on copy drills alone (batch_tokens each) before the SFT
-    copy_warmup_length: int = 128  # tokens per drill row in that warm-up (and in the recall warm-up)
-    recall_warmup_steps: int = 0  # optimizer steps on recall drills alone (recall_drills) before the SFT;
-    #                               also with init_from
-    identity_warmup_steps: int = 0  # optimizer steps on identity_batch alone (about batch_tokens each) before
-    #                                 the SFT; also with init_from
-    recall_fact_fillers: int = 1  # most separator tokens between a drill fact's key and value (1: `zip 92181`;
-    #                               3: also `email is lucia...`)
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    max_steps: int = 3000
-    max_minutes: float = 40.0
-    schedule_steps: int = 0  # length of the cosine decay (0: max_steps)
+    previous_token_heads: bool = option(True, "start layer 0's first KV group as previous-token heads "
+                                              "(models.init_previous_token_heads)")
+    copy_warmup_steps: int = option(800, "optimizer steps on copy drills alone (batch_tokens each) before "
+                                         "the SFT")
+    copy_warmup_length: int = option(128, "tokens per drill row in that warm-up (and in the recall warm-up)")
+    recall_warmup_steps: int = option(0, "optimizer steps on recall drills alone (recall_drills) before the "
+                                         "SFT; also with init_from")
+    identity_warmup_steps: int = option(0, "optimizer steps on identity_batch alone (about batch_tokens "
+                                           "each) before the SFT; also with init_from")
+    recall_fact_fillers: int = option(1, "most separator tokens between a drill fact's key and value (1: "
+                                         "`zip 92181`; 3: also `email is lucia...`)")
+    min_lr_ratio: float = option(0.1, "end of the cosine decay, as a share of lr")
+    warmup_steps: int = option(30, "optimizer steps of linear warm-up")
+    weight_decay: float = option(0.01, "AdamW weight decay")
+    grad_clip: float = option(1.0, "gradient-norm clip")
+    max_steps: int = option(3000, "optimizer steps at most")
+    max_minutes: float = option(40.0, "minutes at most (> 0)")
+    schedule_steps: int = option(0, "length of the cosine decay (0: max_steps)")
     # -- early stopping --
-    eval_every: int = 500
-    eval_samples: int = 1
-    eval_temperature: float = 1.0
-    stop_at_reward: float = 0.25  # <= 0: never stop early
-    min_steps: int = 0
-    save_snapshots: bool = False  # also save the model at every evaluation (out_dir/snapshots/step_N)
-    keep_best: bool = True  # save the weights of the best evaluation (ties: the later), not the last
-    threads: int = 0
-    progress: bool = True
-    out_dir: str = "runs/sft"
+    eval_every: int = option(500, "optimizer steps between evaluations")
+    eval_samples: int = option(1, "episodes per validation task")
+    eval_temperature: float = option(1.0, "sampling temperature of the evaluations")
+    stop_at_reward: float = option(0.25, "<= 0: never stop early")
+    min_steps: int = option(0, "no early stop before this step")
+    save_snapshots: bool = option(False, "also save the model at every evaluation (out_dir/snapshots/step_N)")
+    keep_best: bool = option(True, "save the weights of the best evaluation (ties: the later), not the last")
+    threads: int = option(0, "torch intra-op threads; 0 = torch's default")
+    progress: bool = option(True, "a progress bar on stderr")
+    out_dir: str = option("runs/sft", "where the policy, its tokenizer and the history go")
 
     def validate(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "max_turns", "max_total_tokens", "copy_warmup_length",
@@ -1119,20 +990,11 @@ def _write_history(path: Path, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sinkflex_core.sft", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(SFTConfig):
-        default = getattr(SFTConfig(), f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(default, bool):
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
-        else:
-            p.add_argument(flag, dest=f.name, default=default)
+    p = argparse.ArgumentParser(prog="python -m sinkflex_core.sft", description=__doc__.split("\n\n")[0])
+    add_config_arguments(p, SFTConfig, keep_defaults=True)
     args = vars(p.parse_args(argv))
     try:
-        optional = {f.name for f in dataclasses.fields(SFTConfig) if _is_optional(f)}
-        values = {k: (_coerce_simple(getattr(SFTConfig(), k), v, optional=k in optional) if isinstance(v, str) else v)
-                  for k, v in args.items()}
+        values = {k: (parse_field(SFTConfig, k, v) if isinstance(v, str) else v) for k, v in args.items()}
         result = train_sft(SFTConfig(**values))
     except ConfigError as err:
         print(f"sft: config error: {err}", file=sys.stderr)

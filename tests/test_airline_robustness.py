@@ -221,7 +221,7 @@ def test_the_training_tools_find_the_world_by_env_id():
     kinds = train.task_kinds("test", list(range(10)), "sinkflex/Airline-v0")
     assert kinds == ["+".join(sorted({a["name"] for a in t["actions"]})) or "read only" for t in tasks[:10]]
     assert set(kinds) <= set(WRITE_TOOLS) | {"read only"} | {k for k in kinds if "+" in k}
-    assert train._reward_version("sinkflex/Airline-v0") == 1 and train._reward_version() == 2
+    assert train.reward_version("sinkflex/Airline-v0") == 1 and train.reward_version() == 2
 
 
 def test_oracle_rollouts_through_the_generation_interface():

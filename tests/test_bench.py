@@ -19,25 +19,56 @@ SMALL = Settings(preset="tiny", device="cpu", dtype="fp32", chunk_size=64, slice
 def _loss_and_grads(case: Case, settings: Settings):
     """The GRPO loss of one step and the gradients of the trainable parameters (no optimizer step)."""
     settings = settings.resolved()
-    model, causal_lm = bench.build_policy(case, settings)
+    policy, cfg = bench.build_policy(case, settings)
     # LoRA starts with B = 0 (policy == reference); move away from it so that ratio and KL matter.
     torch.manual_seed(5)
-    for name, p in model.named_parameters():
+    for name, p in policy.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
-    ids, mask, adv = bench.step_inputs(case.tokens, bench.get_preset(settings.preset).vocab, "cpu", 0)
+    batch = bench.step_batch(case.tokens, bench.get_preset(settings.preset).vocab, "cpu", 0)
 
     class NoStep:  # measure the gradients before they are applied
         grads: dict = {}
 
         def step(self):
-            NoStep.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            NoStep.grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
 
         def zero_grad(self, set_to_none=True):
-            model.zero_grad(set_to_none=set_to_none)
+            policy.zero_grad(set_to_none=set_to_none)
 
-    loss = bench.grpo_step(model, causal_lm, NoStep(), ids, mask, adv, case.logprobs, settings.chunk_size)
+    class NoSchedule:
+        def step(self):
+            pass
+
+    loss = bench.grpo_step(policy, NoStep(), NoSchedule(), batch, cfg)
     return loss, NoStep.grads
+
+
+def test_the_harness_times_the_trainers_update(monkeypatch):
+    """The step the harness measures is the trainer's own update: grpo_step goes through
+    train.update.grpo_update (and so grpo.grpo_loss) on a policy that train.load_model built."""
+    from sinkflex_core import grpo
+    from sinkflex_core.train import update
+
+    calls = {"update": 0, "loss": 0}
+    real_update, real_loss = update.grpo_update, grpo.grpo_loss
+
+    def counting_update(*args, **kwargs):
+        calls["update"] += 1
+        return real_update(*args, **kwargs)
+
+    def counting_loss(*args, **kwargs):
+        calls["loss"] += 1
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(update, "grpo_update", counting_update)
+    monkeypatch.setattr(grpo, "grpo_loss", counting_loss)
+    row = bench.run_case(Case("sdpa", "chunked", "plain", 64), SMALL)
+    assert row["status"] == "ok", row
+    assert calls == {"update": 1, "loss": 1}
+    policy, cfg = bench.build_policy(Case("sdpa", "chunked", "plain", 64), SMALL)
+    assert cfg.gradient_checkpointing and cfg.lora and cfg.logprob_chunk_size == SMALL.resolved().chunk_size
+    assert policy.lm.base_model.model.model.gradient_checkpointing
 
 
 @pytest.mark.slow

@@ -337,7 +337,7 @@ def test_grouped_attention_and_growing_cache_match_the_stock_path(tok, model):
     same attention as transformers' SDPA and samples the same tokens as the stock path."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from sinkflex_core.rollout import _grouped_sdpa_forward
+    from sinkflex_core.rollout.hf_fast import grouped_sdpa_forward as _grouped_sdpa_forward
 
     g = torch.Generator().manual_seed(0)
     module = torch.nn.Module()

@@ -47,7 +47,7 @@ def _cfg(tokenizer_dir: str, out: Path, **kw) -> TrainConfig:
 
 def _argv(cfg: TrainConfig) -> list[str]:
     default = train.resolve_config("tiny-cpu").to_dict()  # what the command line starts from
-    return [f"--set={k}={train._cli_value(v)}".replace("'", "") for k, v in cfg.to_dict().items()
+    return [f"--set={k}={train.cli_value(v)}".replace("'", "") for k, v in cfg.to_dict().items()
             if v != default[k]]
 
 

@@ -101,9 +101,9 @@ def test_torchrun_command_reads_back_to_the_same_config():
     from sinkflex_core.sft import SFTConfig
 
     field = {f.name: f for f in dataclasses.fields(SFTConfig)}["system_prompt"]
-    assert train._is_optional(field) and SFTConfig().system_prompt is not None
-    assert train._coerce_simple(SFTConfig().system_prompt, "none", optional=True) is None
-    assert train._coerce_simple("text", "none") == "none"  # a plain str field keeps the word
+    assert train.is_optional(field) and SFTConfig().system_prompt is not None
+    assert train.parse_value(SFTConfig().system_prompt, "none", optional=True) is None
+    assert train.parse_value("text", "none") == "none"  # a plain str field keeps the word
     for preset, prompt in (("tiny-cpu", None), ("paper-8xh100", "Don't say \"$HOME\"; be brief."),
                            ("tiny-cpu", "none of that")):
         cfg = train.resolve_config(preset, {"system_prompt": prompt, "lora_targets": "q_proj,v_proj"})
@@ -204,6 +204,7 @@ def test_rng_state_roundtrip():
 _CRASH_SCRIPT = textwrap.dedent("""
     import os, signal, sys, torch
     from sinkflex_core import train
+    from sinkflex_core.train import checkpoint
 
     root, where = sys.argv[1], sys.argv[2]
     def payload(v):
@@ -220,11 +221,11 @@ _CRASH_SCRIPT = textwrap.dedent("""
                 die()
         torch.save = save_then_die
     elif where == "rename":  # everything written and fsynced, killed just before the folder is renamed
-        train.os.rename = die
+        checkpoint.os.rename = die
     elif where == "pointer":  # folder renamed, killed before `latest` is switched
-        train.os.replace = die
+        checkpoint.os.replace = die
     elif where == "prune":  # new checkpoint complete, killed while removing the old one
-        train.shutil.rmtree = die
+        checkpoint.shutil.rmtree = die
     train.save_checkpoint(root, 2, payload(2.0), rank_payload={"rng": 2}, keep=1)
     print("not killed")
 """)
@@ -286,7 +287,7 @@ def test_concat_rollouts_pads_and_keeps_groups_apart():
     assert rows["attention_mask"][:4, 3:].sum() == 0 and rows["attention_mask"][4:].sum() == 10
     assert rows["group_ids"].tolist() == [0, 0, 1, 1, 2, 2]
     assert train.position_in_group(rows["group_ids"]).tolist() == [0, 1, 0, 1, 0, 1]
-    trimmed = train._trim(rows, torch.tensor([0, 1]))
+    trimmed = train.trim_rows(rows, torch.tensor([0, 1]))
     assert trimmed["input_ids"].shape == (2, 3)
 
 

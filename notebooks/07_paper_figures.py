@@ -1,0 +1,63 @@
+# %% [markdown]
+# # 07 · Paper figures: every figure remade from data/, and the paper's claims beside ours
+#
+# Regenerates every figure in `figures/` that is drawn from the CSV files in `data/` (peak memory against trajectory length, the CPU step memory, attention timings, the reward curve), skipping with a message those whose data is not there yet, and prints the side-by-side table: the paper's claim, our measurement, the hardware of each, and the gap.
+#
+# Needs: CPU only, reads `data/` and writes `figures/`. Time: a few seconds (smoke and default mode alike).
+
+# %% tags=["parameters"]
+smoke = False
+
+# %%
+from sinkflex_core.notebooks import resolve_smoke
+
+smoke = resolve_smoke(smoke)
+
+# %%
+import pandas as pd
+
+from sinkflex_core import bench
+from sinkflex_core.paths import data_dir, figures_dir
+
+pd.set_option("display.max_colwidth", 80)
+pd.set_option("display.width", 200)
+print("data files:", ", ".join(sorted(p.name for p in data_dir().glob("*.csv"))))
+
+# %% [markdown]
+# ## The paper's claims
+#
+# `data/paper_claims.csv`: each claim, as the paper states it, and how our matching measurement is found in `data/` (the file, a row filter, the column).
+
+# %%
+# NBVAL_CHECK_OUTPUT
+claims = bench.load_paper_claims()
+print(claims[["claim_id", "setting", "tokens", "value", "unit", "hardware"]].to_string(index=False))
+
+# %% [markdown]
+# ## Figures
+
+# %%
+made = bench.regenerate_figures()
+made
+
+# %%
+from IPython.display import Image, display
+
+for _, row in made[made["status"] == "regenerated"].iterrows():
+    print(row["figure"])
+    display(Image(filename=str(figures_dir() / row["figure"]), width=640))
+
+# %% [markdown]
+# ## Paper claim, our measurement, hardware, gap
+#
+# The paper reports memory in "GB"; ours is GiB (2^30 bytes). Where the harness's own GPU run (`data/vram_h200.csv`) is missing, the memory rows fall back to the measurements recorded in `data/vram_recorded_h200.csv` (HF's `labels=` loss, uncapped H200), and the SINKFLEX rows say "not measured yet". The reward gain is the end minus the start, each a mean over the recorded seeds. The README's "Results so far" table is this one, written by `sinkflex bench results --readme README.md`.
+
+# %%
+comparison = bench.paper_vs_ours()
+print(comparison.to_string(index=False))
+
+# %% [markdown]
+# ## Issue 8's targets
+
+# %%
+print(bench.targets_report(bench.load_vram_results()).to_string(index=False))
