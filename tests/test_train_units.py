@@ -43,6 +43,16 @@ def test_presets_hold_the_paper_settings():
     assert tiny.preset == "tiny-cpu" and tiny.model == "tiny" and tiny.rollout_backend == "hf"
 
 
+def test_vllm_sampling_of_a_sink_policy_must_be_chosen():
+    # vLLM samples with full attention: with sink attention in training that is off-policy, so the
+    # paper preset says so explicitly and a config that does not is refused before any model loads
+    assert resolve_config("paper-8xh100").vllm_full_attention
+    with pytest.raises(ConfigError, match="vllm_full_attention"):
+        resolve_config("paper-8xh100", {"vllm_full_attention": False})
+    assert resolve_config("paper-8xh100", {"vllm_full_attention": False, "rollout_backend": "hf"}).attention \
+        == "sinkflex"
+
+
 def test_cli_overrides_flags_and_set(tmp_path):
     cfg, _ = train.config_from_argv(["--lr", "1e-4", "--group-size", "4", "--set", "kl_coef=0.1",
                                      "--set", "lora_targets=q_proj,v_proj", "--no-progress", "--lora"])

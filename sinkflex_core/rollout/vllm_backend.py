@@ -27,14 +27,16 @@ class VLLMBackend:
                  stop_token_ids: Sequence[int] | None = None, max_model_len: int = 4096,
                  gpu_memory_utilization: float = 0.3, dtype: str = "float32", seed: int = 0,
                  enable_prefix_caching: bool = True, enforce_eager: bool | None = None,
-                 block_size: int | None = None, **llm_kwargs: Any):
+                 block_size: int | None = None, allow_attention_mismatch: bool = False, **llm_kwargs: Any):
         from ..attention import attention_settings
 
         sinks = attention_settings(model if model is not None else model_path) \
             if model is not None or model_path else None
-        if sinks is not None and (sinks["window"] is not None or sinks["learn_sinks"]):
+        if sinks is not None and (sinks["window"] is not None or sinks["learn_sinks"]) \
+                and not allow_attention_mismatch:
             raise ValueError(f"this policy was trained with sink attention ({sinks}), which vLLM does not run: "
-                             "it would sample from another model. Use the HF backend (rollout_backend='hf')")
+                             "it would sample from another model. Use the HF backend (rollout_backend='hf'), or pass "
+                             "allow_attention_mismatch=True to sample with full attention knowingly")
         try:
             import vllm
         except ImportError as err:

@@ -84,6 +84,9 @@ class TrainConfig:
     top_p: float = option(1.0, "nucleus sampling of the training rollouts")
     rollout_tasks_per_call: int = option(0, "0: all of a process's tasks in one batched call")
     vllm_gpu_memory_utilization: float = option(0.3, "share of GPU memory the vLLM engine may take")
+    vllm_full_attention: bool = option(False, "let vLLM sample a sink-attention policy with full attention "
+                                              "(off-policy by construction; the ratio corrects it, the "
+                                              "logp_gap_rollout metric measures it)")
 
     # -- batch and schedule --
     tasks_per_step: int = option(8, "tasks per step (over all processes)")
@@ -191,6 +194,9 @@ class TrainConfig:
         need(0 <= self.lora_dropout < 1, f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         need(self.lora_r >= 1 and self.lora_alpha > 0, "lora_r must be >= 1 and lora_alpha > 0")
         need(0 < self.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization must be in (0, 1]")
+        need(not (self.rollout_backend == "vllm" and self.attention == "sinkflex") or self.vllm_full_attention,
+             "rollout_backend='vllm' samples with full attention, not the sink attention this policy trains with: "
+             "use rollout_backend='hf', or accept the mismatch with vllm_full_attention=true")
         choices = {
             "dtype": ("float32", "bfloat16"),
             "attention": ("sdpa", "eager", "flex", "sinkflex"),
@@ -238,6 +244,10 @@ PAPER_8XH100 = dict(
     lora_alpha=32,
     logprob_chunk_size=2048,
     rollout_backend="vllm",
+    # vLLM has no sink tokens or learned sinks, so it samples this policy with full attention: the
+    # samples are slightly off-policy; the clipped ratio against the trainer's own old log-probs and
+    # the logged sampler/trainer log-prob gap (logp_gap_rollout) keep that visible.
+    vllm_full_attention=True,
     max_total_tokens=8192,
     max_new_tokens_per_turn=512,
     max_turns=30,

@@ -133,7 +133,8 @@ class Trainer:
             return rollout.VLLMBackend(self._merged_for_vllm(), self.tokenizer,
                                        gpu_memory_utilization=self.cfg.vllm_gpu_memory_utilization,
                                        dtype=self.cfg.dtype, max_model_len=self.cfg.max_total_tokens,
-                                       seed=self.cfg.seed)
+                                       seed=self.cfg.seed,
+                                       allow_attention_mismatch=self.cfg.vllm_full_attention)
         return rollout.HFBackend(self._generation_model(), self.tokenizer)
 
     def _merged_for_vllm(self) -> nn.Module:
