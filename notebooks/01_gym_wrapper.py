@@ -1,9 +1,9 @@
 # %% [markdown]
 # # 01 · One Gymnasium interface for tool environments
 #
-# A store simulator with a scripted customer (state in SQLite), the same store served by an HTTP API on 127.0.0.1, and a text-to-SQL bank database all look the same to an agent: text in, text out, a tool call in the Qwen2.5/Hermes format or a message to the user, and one reward at the end. The notebook plays a full retail episode with the policy-following oracle, shows how the reward is computed (database-state hash times required outputs), and measures the oracle against random and do-nothing agents, with pass^k.
+# A store simulator with a scripted customer (state in SQLite), an airline's reservations desk, a text-to-SQL bank database, a shell over a folder of files and a Python module with a bug all look the same to an agent: text in, text out, a tool call in the Qwen2.5/Hermes format or a message to the user, and one reward at the end. The notebook plays a full retail episode with the policy-following oracle, shows how the reward is computed (database-state hash times required outputs), plays the airline behind the same API, reaches the same tools in process, over FastAPI and over MCP (and any MCP server), runs the executing environments in their jail, and measures the oracle against random and do-nothing agents, with pass^k.
 #
-# Needs: CPU only. Smoke mode (`SINKFLEX_SMOKE=1`): under 30 s. Default: about 2 minutes on a 2-core CPU (every test task, 4 trials per agent); it writes `data/01_env_baselines.csv` and `figures/01_env_baselines.png`.
+# Needs: CPU only (Linux user namespaces for the jail; without them the executing environments run unjailed here, see the last section before the baselines). Smoke mode (`SINKFLEX_SMOKE=1`): about a minute. Default: about 3 minutes on a 2-core CPU (every test task, 4 trials per agent); it writes `data/01_env_baselines.csv` and `figures/01_env_baselines.png`.
 
 # %% tags=["parameters"]
 smoke = False
@@ -151,8 +151,9 @@ print("answer given   ->", backend.reward())
 # %% [markdown]
 # ## The same store over HTTP
 #
-# `sinkflex/RetailHTTP-v0` starts a `ThreadingHTTPServer` bound to 127.0.0.1 on a port the OS picks;
-# every tool call is a `POST /tools/<name>` round trip. The conversation is identical; only the
+# `sinkflex/RetailHTTP-v0` serves the tools with FastAPI (on uvicorn, in a thread of its own) bound to
+# 127.0.0.1 on a port the OS picks; every tool call is a `POST /tools/<name>` round trip through an
+# `httpx` client. The conversation is identical; only the
 # transport differs. Malformed requests get 4xx answers.
 
 # %%
@@ -197,6 +198,144 @@ bank.reset(options={"task_index": 5})
 print(bank.step(format_tool_call("run_sql", {"query": "DELETE FROM loans"}))[0])
 
 # %% [markdown]
+# ## A second world behind the same API: the airline
+#
+# `sinkflex/Airline-v0` is a reservations desk: users with saved payment methods and membership tiers,
+# flights on dates with seats and prices per cabin, reservations to book, cancel, change, with bags and
+# passengers to update, and a policy with rules the agent has to apply (a basic-economy ticket cannot be
+# moved to another flight; a cancellation is refunded only on some grounds). Nothing in the agent's loop
+# changes: the same `reset`/`step`, the same tool-call format, the same reward (final database state and
+# required outputs). Code written for the retail store (the oracle, `run_episode`, `evaluate_agent`,
+# the rollout and training code later) runs on it unchanged. Use the airline when a policy has to
+# transfer across domains, or to test one trained on retail on tools it never saw.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from sinkflex_core.envs.airline_world import AirlineWorld
+
+air_world = AirlineWorld.get(seed)
+for key, value in air_world.stats().items():
+    print(f"{key:14s} {value}")
+air = gym.make("sinkflex/Airline-v0", split="test")
+obs, info = air.reset(seed=seed, options={"task_index": 0})
+names = [t["function"]["name"] for t in info["tools"]]
+print(f"\nsinkflex/Airline-v0: {air.unwrapped.num_tasks} test tasks, {len(names)} tools: {', '.join(names)}\n")
+air_messages, air_reward, air_info = run_episode(air, OracleAgent(), 0, seed=seed)
+show(air_messages)
+print("\nreward:", air_reward, "|", air_info["reward_info"])
+n_air = 30 if smoke else air.unwrapped.num_tasks
+air_rewards = [run_episode(air, OracleAgent(), i, seed=seed)[1] for i in range(n_air)]
+print(f"oracle on the test split: mean reward {sum(air_rewards) / n_air:.2f}")
+air.close()
+
+# %% [markdown]
+# Here the customer asks to move a basic-economy reservation; the policy forbids it, so the oracle looks
+# the reservation up, says why it cannot, and changes nothing. The reward still checks both halves: the
+# database must be untouched (`db_match`) and the reason, the cabin, must have been said.
+#
+# ## Four ways to reach the same tools
+#
+# The retail store and the airline each come in three forms, and any other tool server in a fourth:
+#
+# | form | ids | transport | when to use it |
+# |---|---|---|---|
+# | in process | `Retail-v0`, `Airline-v0` | a Python call | training and evaluation: the fastest, nothing to start |
+# | FastAPI | `RetailHTTP-v0`, `AirlineHTTP-v0` | `POST /tools/<name>` on 127.0.0.1, schema at `/openapi.json` | to measure or test what an agent meets behind a web API: latency, 4xx answers, a server to run |
+# | MCP | `RetailMCP-v0`, `AirlineMCP-v0` | Model Context Protocol (streamable HTTP) | to train against the protocol agent frameworks speak, with known rewards |
+# | any MCP server | `MCP-v0` | stdio (a command) or a URL | your own tools: the server, a task file and a verifier are all you write |
+#
+# The first three share the world, the tasks and the reward, so an episode is the same conversation in
+# each: only the transport differs. `MCP-v0` lists its tools from the server (the schemas the server
+# declares, not ours), runs each task's setup calls and scores the episode with the task file's verifier;
+# without arguments it starts the shipped notes server (FastMCP over SQLite) with its five test tasks.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+import httpx
+
+from sinkflex_core.envs import DoNothingAgent
+from sinkflex_core.envs.examples.notes_mcp.expert import NotesExpert
+
+reference, ref_reward, _ = run_episode(env, OracleAgent(), task_index, seed=seed)
+for env_id in ("sinkflex/RetailHTTP-v0", "sinkflex/RetailMCP-v0"):
+    served = gym.make(env_id, split="test")
+    served_messages, served_reward, _ = run_episode(served, OracleAgent(), task_index, seed=seed)
+    print(f"{env_id:22s} same transcript as in process: {served_messages == reference} | reward: {served_reward}")
+    if env_id.endswith("HTTP-v0"):
+        spec = httpx.get(served.unwrapped.backend.url + "/openapi.json").json()
+        paths = [p for p in spec["paths"] if p.startswith("/tools/")]
+        print(f"  /openapi.json: {spec['info']['title']!r}, {len(paths)} tool paths, e.g. {paths[0]}")
+    served.close()
+
+notes = gym.make("sinkflex/MCP-v0", split="test")
+obs, info = notes.reset(options={"task_index": 0})
+print(f"\nsinkflex/MCP-v0 (the notes example): {notes.unwrapped.num_tasks} test tasks")
+print("  tools from the server:", ", ".join(t["function"]["name"] for t in info["tools"]))
+print("  first task:", obs)
+for name, make in (("expert", NotesExpert), ("do-nothing", DoNothingAgent)):
+    rewards = [run_episode(notes, make(), i)[1] for i in range(notes.unwrapped.num_tasks)]
+    print(f"  {name:10s} rewards: {rewards}")
+notes.close()
+
+# %% [markdown]
+# To put your own tools behind the interface, point `MCP-v0` at your server and a task file:
+# `gym.make("sinkflex/MCP-v0", command=["python", "-m", "my_server"], tasks="my_tasks.json")` (or
+# `url="http://127.0.0.1:PORT/mcp"`); each task gives the instruction, the setup calls and the checks
+# its verifier runs on the final state (see `sinkflex_core/envs/examples/notes_mcp/` and `docs/limits.md`).
+#
+# ## Environments that execute: a shell and code repair
+#
+# `sinkflex/Bash-v0` (NL2Bash-style requests over a seeded folder of files) and
+# `sinkflex/CodeRepair-v0` (fix a planted bug; hidden tests decide) run what the agent writes, for real.
+# The verifier reads the result, not the transcript: the final file tree, the submitted answer, or the
+# hidden cases run in a fresh sandbox. A judge adds a second reward channel:
+# `reward = (1 - judge_weight) * verifier + judge_weight * judge(messages, tools)`, by default a
+# rule-based format judge at weight 0.1 (any `judge(messages, tools) -> float` fits, `HFJudge` asks a
+# local model). Use them when the skill to learn is acting on a system rather than following a policy.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from sinkflex_core.envs.bash_env import BashExpert
+from sinkflex_core.envs.code_repair import CodeRepairExpert
+from sinkflex_core.envs.sandbox import jail_available
+
+jailed, why = jail_available()
+# without user namespaces the same episodes run unjailed (same outputs, none of the jail's guarantees)
+executing = {env_id: gym.make(env_id, split="test", allow_unjailed=not jailed)
+             for env_id in ("sinkflex/Bash-v0", "sinkflex/CodeRepair-v0")}
+for (env_id, e), expert in zip(executing.items(), (BashExpert, CodeRepairExpert)):
+    e_messages, e_reward, e_info = run_episode(e, expert(), 0, seed=seed)
+    print(f"{env_id}: {e.unwrapped.num_tasks} test tasks")
+    show(e_messages, width=110)
+    print("reward:", e_reward, "|", {k: v for k, v in e_info["reward_info"].items() if k != "cases"})
+    _, idle_reward, idle_info = run_episode(e, DoNothingAgent(), 0, seed=seed)
+    ri = idle_info["reward_info"]
+    print(f"do-nothing: verifier {ri['verifier']:.3f}, judge {ri['judge']:.1f} -> reward {idle_reward:.3f}\n")
+
+# %% [markdown]
+# Doing nothing on the code-repair task still passes the hidden cases of the functions that had no bug
+# (a third of them here), and its one plain message is well formed, so it gets 0.9 x 0.333 + 0.1 x 1.0 = 0.4:
+# a baseline to beat, not zero.
+#
+# Every command runs in a jail (`sinkflex_core/envs/sandbox.py`, details in `docs/sandbox.md`): new user,
+# mount, PID and network namespaces, a read-only root with only `/usr` and the episode's folder at
+# `/sandbox`, no network, and limits on wall and CPU time, processes, memory, file size and output. Below,
+# a few commands an agent (or a reward-hacking policy) might try; the timings are this machine's.
+
+# %%
+print("jail:", why if jailed else f"not available here ({why}); these commands ran unjailed")
+bash_env = executing["sinkflex/Bash-v0"]
+for command in ("cat /etc/shadow; ls /home; echo $HOME", "ls /",
+                "python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 22))' 2>&1 | tail -1",
+                "head -c 20000000 /dev/zero > big", "sleep 30"):
+    bash_env.reset(options={"task_index": 0})
+    t = time.perf_counter()
+    obs = bash_env.step(format_tool_call("run", {"command": command}))[0]
+    print(f"$ {command}\n  {obs.strip().replace(chr(10), chr(10) + '  ')}\n  ({time.perf_counter() - t:.2f} s)")
+for e in executing.values():
+    e.close()
+
+# %% [markdown]
 # ## Baselines: oracle, random agent, do-nothing agent
 #
 # Each agent plays every test task (`trials` times for the random agent, with different seeds); pass^k
@@ -205,7 +344,7 @@ print(bank.step(format_tool_call("run_sql", {"query": "DELETE FROM loans"}))[0])
 # %%
 import pandas as pd
 
-from sinkflex_core.envs import DoNothingAgent, RandomAgent, evaluate_agent, pass_hat_k
+from sinkflex_core.envs import RandomAgent, evaluate_agent, pass_hat_k
 
 n_tasks = 30 if smoke else None
 n_trials = 2 if smoke else trials
