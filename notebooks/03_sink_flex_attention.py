@@ -84,7 +84,7 @@ print("packed, query 21 (6th token of doc 3) sees keys:", m[21].nonzero().flatte
 # %%
 # NBVAL_CHECK_OUTPUT
 rows = []
-for n in ([2048, 4096] if smoke else [2048, 4096, 8192]):
+for n in (2048, 4096, 8192):  # the same lengths in every mode: the figures are compared
     mask = A.SinkFlexMask.causal(1, n)
     rows.append({"tokens": n,
                  "causal: blocks skipped %": round(mask.block_mask(0, None).sparsity(), 1),
@@ -183,8 +183,13 @@ with torch.no_grad():
     ref = plain(input_ids=ids).logits
     full = A.apply(copy.deepcopy(plain), window=None, learn_sinks=False)(input_ids=ids).logits
     init = A.apply(copy.deepcopy(plain), window=None, learn_sinks=True)(input_ids=ids).logits
-print("full window, no sinks vs stock sdpa, max |logit diff| < 1e-5:", bool((full - ref).abs().max() < 1e-5))
-print("learnable sinks at init vs stock sdpa, max |logit diff| < 1e-4:", bool((init - ref).abs().max() < 1e-4))
+diff_full, diff_init = (full - ref).abs().max().item(), (init - ref).abs().max().item()
+# float32 rounding (about 1e-6) and, with the sinks, their exp(-10 - lse) effect (about 2e-5, varying
+# with the model's size in each mode): printed to the decimals that are stable
+print(f"full window, no sinks vs stock sdpa: max |logit diff| = {diff_full:.5f}")
+print(f"learnable sinks at init vs stock sdpa: max |logit diff| = {diff_init:.4f}")
+assert diff_full < 1e-5 and diff_init < 1e-4, (diff_full, diff_init)
+print("below 1e-5 and 1e-4")
 
 # %% [markdown]
 # ![zero-value sink](../figures/03_zero_value_sink.png)
@@ -227,18 +232,32 @@ print(exact.to_string(index=False, float_format=lambda x: f"{x:.1e}"))
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print("every relative error < 1e-5:", bool((exact.select_dtypes("number").drop(columns="L") < 1e-5).all().all()))
+worst = exact.select_dtypes("number").drop(columns="L").max()
+# the errors are float32 rounding, about 1e-7 to 2e-6 (the inputs depend on the mode): five decimals
+print("largest relative error per column, five decimals:", {k: f"{v:.5f}" for k, v in worst.items()})
+assert (worst < 1e-5).all(), worst
+print("all below 1e-5")
 
 # %% [markdown]
-# Memory: the chunked path's largest score block is `chunk x (chunk + window + sinks)` per head, whatever
-# L is; the dense path's is `L x L`. (Measured CPU figures: `python benchmarks/bench_attention.py`.)
+# Memory: the chunked path builds one score block per query chunk, of `chunk x keys` per head, the keys
+# being the sinks the window left out plus the window's range. The cell asks the chunk plan that
+# `sink_attention` iterates over for the blocks it builds at each length and compares the largest with
+# the dense path's `L x L`: the block stops growing once L passes the window.
+# (Measured CPU figures: `python benchmarks/bench_attention.py`.)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-chunk, window, n_sink = 256, 4096, 4
-print(pd.DataFrame([{"tokens": n, "dense scores per head (M)": n * n / 1e6,
-                     "chunked: largest block per head (M)": chunk * (chunk + window - 1 + n_sink) / 1e6}
-                    for n in (8192, 32768, 65536)]).to_string(index=False))
+from sinkflex_core.attention.kernels import _ChunkPlan
+
+chunk, window, n_sink = 128, 512, 4
+rows = []
+for n in (512, 2048, 8192):
+    blocks = [allowed.shape[1] * allowed.shape[2]
+              for *_, allowed in _ChunkPlan(A.SinkFlexMask.causal(1, n), n_sink, window, chunk).chunks()]
+    rows.append({"tokens": n, "dense scores per head": n * n, "chunks": len(blocks),
+                 "largest block per head": max(blocks), "formula chunk x (chunk + window - 1 + sinks)":
+                 chunk * (chunk + window - 1 + n_sink)})
+print(pd.DataFrame(rows).to_string(index=False))
 
 # %% [markdown]
 # ## 5 · GPU timings
