@@ -160,10 +160,23 @@ recorded = pd.read_csv(recorded_path) if recorded_path.is_file() else None
 if recorded is None:
     print("no recorded curve yet: run `python benchmarks/reproduce_curve.py`")
 else:
-    print(train.summarize_curves(recorded).round(3).to_string(index=False))
+    summary = train.summarize_curves(recorded)
+    print(summary.round(3).to_string(index=False))
     prov = recorded.iloc[0]
     print(f"\nrecorded on {prov['hardware']}, torch {prov['torch']}, transformers {prov['transformers']}, "
           f"commit {prov['git_sha']}")
+    # the figures quoted above, recomputed from the recorded rows (evaluations and 16-try replays)
+    gains = summary[~summary["seed"].isin(["mean", "std"])]["gain"].astype(float)
+    print(f"test reward gain over {len(gains)} seeds: {gains.mean():+.3f} ± {gains.std():.3f}, "
+          f"between {gains.min():+.3f} and {gains.max():+.3f}")
+    replays = {name: data_dir() / f"pass_at_k_{name}.csv"
+               for name in ("sft_start", "screened_seed0", "screened_seed1", "screened_seed2")}
+    if all(path.is_file() for path in replays.values()):
+        pass1 = {name: (lambda t: t["successes"].sum() / t["tries"].sum())(pd.read_csv(path))
+                 for name, path in replays.items()}
+        final = pd.Series([pass1[f"screened_seed{i}"] for i in range(3)]) - pass1["sft_start"]
+        print("pass@1 over 60 test tasks x 16:", ", ".join(f"{k} {v:.3f}" for k, v in pass1.items()),
+              f"| gain {final.mean():+.3f} ± {final.std():.3f}")
 
 # %%
 sft_path = data_dir() / "reward_curve_sft.csv"
