@@ -280,8 +280,10 @@ notes.close()
 # %% [markdown]
 # To put your own tools behind the interface, point `MCP-v0` at your server and a task file:
 # `gym.make("sinkflex/MCP-v0", command=["python", "-m", "my_server"], tasks="my_tasks.json")` (or
-# `url="http://127.0.0.1:PORT/mcp"`); each task gives the instruction, the setup calls and the checks
-# its verifier runs on the final state (see `sinkflex_core/envs/examples/notes_mcp/` and `docs/limits.md`).
+# `url="http://127.0.0.1:PORT/mcp"`); each task gives the instruction, optional setup calls made at reset,
+# and a verifier (a Python function or a command) that grades the episode. The format is described in
+# `sinkflex_core/envs/mcp_env.py`, the shipped example is `sinkflex_core/envs/examples/notes_mcp/`, and
+# what every form guarantees whatever the agent writes is in `docs/limits.md`.
 #
 # ## Environments that execute: a shell and code repair
 #
