@@ -18,9 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .paths import build_dir, notebooks_dir, repo_root
+from .paths import SMOKE_ENV, build_dir, notebooks_dir, repo_root, smoke_env
 
-SMOKE_ENV = "SINKFLEX_SMOKE"
 KERNEL_NAME = "sinkflex"
 _NOTEBOOK_RE = re.compile(r"^\d\d_[\w-]+\.ipynb$")
 
@@ -28,7 +27,7 @@ _NOTEBOOK_RE = re.compile(r"^\d\d_[\w-]+\.ipynb$")
 def resolve_smoke(smoke: bool = False) -> bool:
     """A notebook's effective smoke flag: its ``smoke`` parameter, or ``SINKFLEX_SMOKE=1`` in the
     environment (how the test suite, which cannot pass parameters, makes notebooks fast)."""
-    return bool(smoke) or os.environ.get(SMOKE_ENV, "0").strip().lower() in {"1", "true", "yes"}
+    return bool(smoke) or smoke_env()
 
 
 @dataclass(frozen=True)

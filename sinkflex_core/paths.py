@@ -4,7 +4,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
+
+# The environment variable that puts the notebooks in smoke mode (the test suite sets it).
+SMOKE_ENV = "SINKFLEX_SMOKE"
 
 
 def repo_root(start: str | os.PathLike | None = None) -> Path:
@@ -28,10 +32,28 @@ def data_dir() -> Path:
 
 
 def figures_dir() -> Path:
-    """``figures/``: PNGs regenerated from ``data/`` by the notebooks."""
-    path = repo_root() / "figures"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """``figures/``: PNGs regenerated from ``data/`` by the notebooks.
+
+    In smoke mode (``SINKFLEX_SMOKE=1``, as the test suite runs the notebooks) this is a scratch copy,
+    ``build/smoke/figures/``, seeded with the tracked figures: a smoke run reads and redraws figures
+    there and never rewrites the repository's."""
+    tracked = repo_root() / "figures"
+    if not smoke_env():
+        tracked.mkdir(parents=True, exist_ok=True)
+        return tracked
+    scratch = build_dir() / "smoke" / "figures"
+    if not scratch.is_dir():
+        scratch.parent.mkdir(parents=True, exist_ok=True)
+        if tracked.is_dir():
+            shutil.copytree(tracked, scratch, dirs_exist_ok=True)
+        else:
+            scratch.mkdir()
+    return scratch
+
+
+def smoke_env() -> bool:
+    """Whether ``SINKFLEX_SMOKE`` asks for smoke mode (seconds per notebook, nothing tracked written)."""
+    return os.environ.get(SMOKE_ENV, "0").strip().lower() in {"1", "true", "yes"}
 
 
 def build_dir() -> Path:
