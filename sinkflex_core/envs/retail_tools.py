@@ -204,23 +204,30 @@ def safe_calculate(expression: str) -> float:
     return round(walk(tree), 2)
 
 
-class RetailTools:
-    """The tools over one episode's SQLite connection.
+class SQLTools:
+    """A world's tools over one episode's SQLite connection, one method per tool.
 
-    ``call(name, arguments)`` is the single entry point (validation, dispatch, error text).
+    ``call(name, arguments)`` is the single entry point: it checks the arguments (``check_arguments``
+    of the subclass), runs the tool's method, and turns a :class:`ToolError` into an ``Error: ...``
+    observation; ``transfer_to_human_agents`` ends the episode.
     """
+
+    check_arguments = staticmethod(check_arguments)
 
     def __init__(self, conn: sqlite3.Connection):
         self.conn = conn
 
-    # ---- entry point ----------------------------------------------------------------------
     def call(self, name: str, arguments: dict) -> ToolResult:
         try:
-            check_arguments(name, arguments)
+            self.check_arguments(name, arguments)
             output = getattr(self, name)(**arguments)
         except ToolError as err:
             return ToolResult(f"Error: {err}")
         return ToolResult(output, done=(name == "transfer_to_human_agents"))
+
+
+class RetailTools(SQLTools):
+    """The store's tools over one episode's SQLite connection (:class:`SQLTools`)."""
 
     # ---- helpers ------------------------------------------------------------------------------
     def _order_row(self, order_id: str) -> sqlite3.Row:
