@@ -389,3 +389,14 @@ class ToolEnv(gym.Env):
     def close(self):
         self.backend.close()
         super().close()
+
+
+def env_around(backend, env_class: type[ToolEnv] = ToolEnv, **kwargs) -> ToolEnv:
+    """``env_class(backend, **kwargs)``, closing the backend if that fails: a bad argument then stops
+    the backend's server or removes its sandbox folder instead of leaving a thread, process, socket
+    or folder behind."""
+    try:
+        return env_class(backend, **kwargs)
+    except BaseException:
+        backend.close()
+        raise
