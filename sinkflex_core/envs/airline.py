@@ -16,7 +16,7 @@ from .airline_tasks import SPLITS, get_tasks
 from .airline_text import answer_given, identity_text
 from .airline_tools import AirlineTools
 from .airline_world import AirlineWorld
-from .customer import CONFIRM_MARK, MAX_STRIKES, STOP, Customer
+from .customer import Customer, ScriptedCustomer
 from .sqlite_world import SQLiteBackend
 
 # Bumped whenever the same episode can score differently (results cached by reward name it).
@@ -28,46 +28,20 @@ def airline_policy() -> str:
     return resources.files(__package__).joinpath("airline_policy.md").read_text(encoding="utf-8")
 
 
-class AirlineCustomer:
+class AirlineCustomer(ScriptedCustomer):
     """Deterministic customer for one airline task: opens with its first request, gives its user id
     when asked, says "yes" only to a confirmation naming everything its request needs, moves on once
-    the request is done or answered, and ends with ``###STOP###`` (or gives up after a few misses)."""
+    the request is done or answered, and ends with ``###STOP###`` (or gives up after a few misses);
+    the rules of :class:`ScriptedCustomer`, with the airline's way of naming and identifying."""
 
-    def __init__(self, task: dict):
-        self.task, self.requests = task, task["requests"]
-        self.index, self.confirmed, self.strikes = 0, False, 0
+    def _confirms(self, key: str, agent_text: str) -> bool:
+        return key.lower() in agent_text.lower()
 
-    def opening(self) -> str:
-        return "Hi! " + self.requests[0]["text"]
+    def _answers(self, key: str, agent_text: str) -> bool:
+        return answer_given(key, agent_text)
 
-    def _advance(self) -> tuple[str, bool]:
-        self.index, self.confirmed, self.strikes = self.index + 1, False, 0
-        if self.index >= len(self.requests):
-            return f"Thanks, that is all. {STOP}", True
-        return "Thanks. Also: " + self.requests[self.index]["text"], False
-
-    def _strike(self, text: str) -> tuple[str, bool]:
-        self.strikes += 1
-        if self.strikes > MAX_STRIKES:
-            return f"I give up. {STOP}", True
-        return text, False
-
-    def reply(self, agent_text: str) -> tuple[str, bool]:
-        if self.index >= len(self.requests):
-            return STOP, True
-        req, low = self.requests[self.index], agent_text.lower()
-        if CONFIRM_MARK in low:
-            if req["confirm_keys"] and not self.confirmed and all(k.lower() in low for k in req["confirm_keys"]):
-                self.confirmed = True
-                return "yes", False
-            return self._strike("No, that is not what I want. " + req["text"])
-        if self.confirmed:
-            return self._advance()
-        if req["answer_keys"] and all(answer_given(k, agent_text) for k in req["answer_keys"]):
-            return self._advance()
-        if "user id" in low:
-            return self._strike(identity_text(self.task["persona"]))
-        return self._strike(req["text"])
+    def _identity(self, low: str) -> str | None:
+        return identity_text(self.task["persona"]) if "user id" in low else None
 
 
 class AirlineBackend(SQLiteBackend):
