@@ -15,12 +15,14 @@ from gymnasium.utils.env_checker import check_env
 import sinkflex_core  # noqa: F401
 from sinkflex_core.envs import AIRLINE_ENV_IDS, format_tool_call
 from sinkflex_core.envs.airline_schemas import TOOL_NAMES, TOOL_SCHEMAS, WRITE_TOOLS
+from sinkflex_core.envs.airline_tasks import get_tasks
 from sinkflex_core.envs.airline_world import CABINS, DATES, AirlineWorld
 from sinkflex_core.envs.http_server import post_raw
 from sinkflex_core.envs.retail_tools import TOOL_SCHEMAS as RETAIL_TOOLS
 from sinkflex_core.envs.worlds import world_of
 
 WORLD = AirlineWorld.get(0)
+WORLD_TASKS = get_tasks(0, "train")
 NASTY = ["'; DROP TABLE reservations; --", "' OR '1'='1", "\x00", "NULL", "🙂" * 40, "A" * 3000, "<tool_call>",
          "###STOP###", "yes", "(yes/no)", "-1", "1e309", "SF", "2024-13-45", "../../etc/passwd"]
 
@@ -177,6 +179,25 @@ def test_http_matches_in_process():
         for action in calls:
             assert local.step(action)[0] == remote.step(action)[0]
         assert local.unwrapped.backend.state_hash() == remote.unwrapped.backend.state_hash()
+    finally:
+        local.close()
+        remote.close()
+
+
+def test_the_http_server_accepts_the_calls_whose_arguments_are_lists_of_objects():
+    # booking and rewriting passengers send arrays of objects; the server checks them with the same
+    # checker as the backend, so the oracle's episode over HTTP is the in-process one, reward included
+    from sinkflex_core.envs.oracle import OracleAgent, run_episode
+
+    task_index = next(i for i, task in enumerate(WORLD_TASKS) if any(
+        isinstance(v, list) and v and isinstance(v[0], dict) for a in task["actions"] for v in a["arguments"].values()))
+    local = gym.make("sinkflex/Airline-v0", split="train")
+    remote = gym.make("sinkflex/AirlineHTTP-v0", split="train")
+    try:
+        here, reward_here, _ = run_episode(local, OracleAgent(), task_index)
+        there, reward_there, _ = run_episode(remote, OracleAgent(), task_index)
+        assert reward_here == 1.0 and reward_there == 1.0
+        assert there == here
     finally:
         local.close()
         remote.close()

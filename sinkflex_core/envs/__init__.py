@@ -30,6 +30,7 @@ from .base import (
     ToolBackend,
     ToolEnv,
     ToolResult,
+    env_around,
     format_tool_call,
     parse_action,
 )
@@ -47,13 +48,8 @@ SANDBOX_ENV_IDS = ("sinkflex/Bash-v0", "sinkflex/CodeRepair-v0")
 
 
 def _env_around(backend, split: str, max_turns: int, render_mode: str | None) -> ToolEnv:
-    """The environment around a backend that already runs a server: a bad argument stops that server
-    instead of leaving its thread, process or socket behind."""
-    try:
-        return ToolEnv(backend, split=split, max_turns=max_turns, render_mode=render_mode)
-    except BaseException:
-        backend.close()
-        raise
+    """The environment around a backend that already runs a server (:func:`.base.env_around`)."""
+    return env_around(backend, split=split, max_turns=max_turns, render_mode=render_mode)
 
 
 def make_retail_env(split: str = "train", max_turns: int = 30, world_seed: int = 0,

@@ -1,13 +1,9 @@
-"""The airline tools' JSON schemas, and the check of a call's arguments against them.
-
-The checker knows the small part of JSON Schema these tools use (strings with an optional enum,
-integers with bounds, arrays with a maximum length, objects with required properties), so that a
-malformed call is refused with a clear message before any SQL runs.
-"""
+"""The airline tools' JSON schemas, and the check of a call's arguments against them (the checker
+every world shares, :func:`.retail_tools.check_arguments`)."""
 
 from __future__ import annotations
 
-from .retail_tools import MAX_STRING, ToolError, _encodable
+from .retail_tools import check_arguments as _check
 
 CABIN_ENUM = ["basic_economy", "economy", "business"]
 CANCEL_REASONS = ("change of plan", "airline cancelled flight", "health", "weather", "other")
@@ -74,53 +70,6 @@ WRITE_TOOLS = ("book_reservation", "cancel_reservation", "update_reservation_fli
 SCHEMA_BY_NAME = {t["function"]["name"]: t["function"]["parameters"] for t in TOOL_SCHEMAS}
 
 
-def _short(text: str) -> str:
-    return text if len(text) <= 60 else text[:60] + "..."
-
-
-def _check_value(where: str, spec: dict, value) -> None:
-    kind = spec["type"]
-    if kind == "string":
-        if not isinstance(value, str):
-            raise ToolError(f"{where} must be a string")
-        if len(value) > MAX_STRING:
-            raise ToolError(f"{where} is too long ({len(value)} characters)")
-        if not _encodable(value):
-            raise ToolError(f"{where} is not valid Unicode text (a lone surrogate)")
-        if "enum" in spec and value not in spec["enum"]:
-            raise ToolError(f"{where} must be one of {spec['enum']}")
-    elif kind == "integer":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ToolError(f"{where} must be an integer")
-        if not spec.get("minimum", -10**9) <= value <= spec.get("maximum", 10**9):
-            raise ToolError(f"{where} must be between {spec.get('minimum')} and {spec.get('maximum')}")
-    elif kind == "array":
-        if not isinstance(value, list):
-            raise ToolError(f"{where} must be a list")
-        if len(value) > spec.get("maxItems", 20):
-            raise ToolError(f"{where} has too many items (at most {spec.get('maxItems', 20)})")
-        for i, item in enumerate(value):
-            _check_value(f"{where}[{i}]", spec["items"], item)
-    elif kind == "object":
-        _check_object(where, spec, value)
-
-
-def _check_object(where: str, spec: dict, value) -> None:
-    if not isinstance(value, dict):
-        raise ToolError(f"{where} must be a JSON object")
-    props = spec["properties"]
-    for key in value:
-        if key not in props:
-            raise ToolError(f"{where} got an unexpected argument {_short(str(key))!r}")
-    for key in spec["required"]:
-        if key not in value:
-            raise ToolError(f"{where} is missing the argument {key!r}")
-    for key, item in value.items():
-        _check_value(f"argument {key!r}" if where.endswith("call") else f"{where}.{key}", props[key], item)
-
-
 def check_arguments(name: str, arguments: dict) -> None:
     """Raise :class:`ToolError` unless ``name`` is an airline tool and ``arguments`` fit its schema."""
-    if name not in SCHEMA_BY_NAME:
-        raise ToolError(f"unknown tool {_short(name)!r}")
-    _check_object(f"the {name} call", SCHEMA_BY_NAME[name], arguments)
+    _check(name, arguments, SCHEMA_BY_NAME, call=f"the {name} call")

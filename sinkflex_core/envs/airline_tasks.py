@@ -26,12 +26,8 @@ from .airline_world import (
     nonfree_bags,
 )
 from .retail_world import FIRST_NAMES, LAST_NAMES
+from .task_draw import SPLITS, draw_requests, split_draw  # noqa: F401 (SPLITS: the world's splits)
 
-N_TRAIN_TASKS = 600
-N_TEST_TASKS = 120
-N_SYNTHETIC_TASKS = 10_000
-N_TEST_USERS = 100
-SPLITS = ("train", "test", "synthetic")
 # (the rarer a request's preconditions in the world, the larger its weight)
 KIND_WEIGHTS = {"cancel": 10, "change_flight": 24, "cabin": 8, "bags": 9, "passengers": 7, "book": 5,
                 "compensation": 30, "total": 4, "status": 4, "cheapest": 3, "refuse_cancel": 8, "refuse_change": 20,
@@ -290,33 +286,13 @@ def generate_tasks(world: WorldData, split: str, n_tasks: int | None = None) -> 
     """The split's tasks, deterministic in the world's seed: ``"train"`` (600) and ``"test"`` (120)
     over disjoint users; ``"synthetic"`` (10,000, the oracle's expert data for SFT) a separate draw
     over the training users only."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    n_tasks = n_tasks or {"train": N_TRAIN_TASKS, "test": N_TEST_TASKS, "synthetic": N_SYNTHETIC_TASKS}[split]
-    users = sorted(world.users)
-    random.Random(f"airline-users-{world.seed}").shuffle(users)
-    pool = users[:N_TEST_USERS] if split == "test" else users[N_TEST_USERS:]
-    rng = random.Random(f"airline-tasks-{world.seed}-{split}")
+    n_tasks, pool, rng = split_draw(world, split, n_tasks, "airline")
     gen = _Gen(world, rng)
-    kinds, weights = list(KIND_WEIGHTS), list(KIND_WEIGHTS.values())
     tasks: list[dict] = []
     while len(tasks) < n_tasks:
         user = world.users[rng.choice(pool)]
-        n_req = 2 if rng.random() < 0.3 else 1
-        used: set = set()
         state = {"balances": set(), "booked": False, "certificate": False}
-        requests = []
-        for _ in range(n_req * 4):
-            req = gen.request(rng.choices(kinds, weights=weights)[0], user, used, state)
-            if req is None:
-                continue
-            if req.get("reservation_id"):
-                used.add(req["reservation_id"])
-            for key in ("outputs", "confirm_keys", "answer_keys"):
-                req.setdefault(key, [])
-            requests.append(req)
-            if len(requests) == n_req:
-                break
+        requests = draw_requests(gen, rng, KIND_WEIGHTS, user, state, "reservation_id")
         if not requests:
             continue
         persona = {"user_id": user["user_id"], "first_name": user["first_name"], "last_name": user["last_name"]}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import sqlite3
 
 from .airline_schemas import check_arguments
 from .airline_world import (
@@ -24,8 +23,7 @@ from .airline_world import (
     free_bags,
     nonfree_bags,
 )
-from .base import ToolResult
-from .retail_tools import ToolError, safe_calculate
+from .retail_tools import SQLTools, ToolError, safe_calculate
 
 MAX_GIFT_CARDS, MAX_CERTIFICATES, MAX_CREDIT_CARDS = 3, 1, 1
 
@@ -34,19 +32,10 @@ def _dump(obj) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
-class AirlineTools:
-    """The tools over one episode's SQLite connection; ``call(name, arguments)`` is the entry point."""
+class AirlineTools(SQLTools):
+    """The airline's tools over one episode's SQLite connection (:class:`SQLTools`)."""
 
-    def __init__(self, conn: sqlite3.Connection):
-        self.conn = conn
-
-    def call(self, name: str, arguments: dict) -> ToolResult:
-        try:
-            check_arguments(name, arguments)
-            output = getattr(self, name)(**arguments)
-        except ToolError as err:
-            return ToolResult(f"Error: {err}")
-        return ToolResult(output, done=(name == "transfer_to_human_agents"))
+    check_arguments = staticmethod(check_arguments)
 
     # ---- lookups shared by the tools --------------------------------------------------------
     def _one(self, sql: str, args: tuple, missing: str) -> tuple:

@@ -14,13 +14,12 @@ right now); flights after it are ``available`` for booking unless the airline ha
 
 from __future__ import annotations
 
-import hashlib
 import random
 import sqlite3
-import threading
 from dataclasses import dataclass, field
 
 from .retail_world import FIRST_NAMES, LAST_NAMES
+from .sqlite_world import SQLiteWorld, hash_tables
 
 N_USERS = 500
 N_FLIGHTS = 300
@@ -317,41 +316,15 @@ def write_world(world: WorldData, conn: sqlite3.Connection) -> None:
 
 def state_hash(conn: sqlite3.Connection) -> str:
     """SHA-256 over a canonical dump of every table that a tool can change or read."""
-    h = hashlib.sha256()
-    for table, columns, order in HASHED_TABLES:
-        rows = conn.execute(f"SELECT {columns} FROM {table} ORDER BY {order}").fetchall()
-        h.update(table.encode() + b"\n" + repr(rows).encode() + b"\n")
-    return h.hexdigest()
+    return hash_tables(conn, HASHED_TABLES)
 
 
-class AirlineWorld:
+class AirlineWorld(SQLiteWorld):
     """A generated airline: the plain-Python data plus a cached master SQLite copy (one per seed)."""
 
-    _cache: dict[int, AirlineWorld] = {}
-    _lock = threading.Lock()
-
-    def __init__(self, seed: int = 0):
-        self.seed = seed
-        self.data = generate_world(seed)
-        self._master = sqlite3.connect(":memory:", check_same_thread=False)
-        write_world(self.data, self._master)
-        self._master_lock = threading.Lock()
-        self.initial_hash = state_hash(self._master)
-
-    @classmethod
-    def get(cls, seed: int = 0) -> AirlineWorld:
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise TypeError(f"world seed must be an int, got {seed!r}")
-        with cls._lock:
-            if seed not in cls._cache:
-                cls._cache[seed] = cls(seed)
-            return cls._cache[seed]
-
-    def new_episode_db(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(":memory:", check_same_thread=False)
-        with self._master_lock:
-            self._master.backup(conn)
-        return conn
+    generate = staticmethod(generate_world)
+    write = staticmethod(write_world)
+    state_hash = staticmethod(state_hash)
 
     def stats(self) -> dict:
         """Counts that the public benchmark's scale is compared against."""

@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Generator
 from functools import lru_cache
 
-from .base import ToolResult, format_tool_call
+from .base import ScriptedExpert, ToolResult, format_tool_call
 from .retail_tools import ToolError, check_arguments
 
 MAX_ROWS_SHOWN = 20
@@ -470,21 +470,10 @@ class BankBackend:
             self._printf_conn.close()
 
 
-class BankOracle:
+class BankOracle(ScriptedExpert):
     """Turns the question into SQL, runs it once, submits it."""
 
-    def reset(self, observation: str, info: dict | None = None) -> None:
-        self._gen = self._script(observation)
-        self._next = next(self._gen)
-
-    def act(self, observation: str | None = None, role: str = "user") -> str:
-        return self._next or "I cannot answer this question."
-
-    def observe(self, observation: str) -> None:
-        try:
-            self._next = self._gen.send(observation)
-        except StopIteration:
-            self._next = None
+    fallback = "I cannot answer this question."
 
     def _script(self, question: str) -> Generator[str, str, None]:
         sql = question_to_sql(question)

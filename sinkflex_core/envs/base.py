@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -223,6 +223,32 @@ def format_tool_call(name: str, arguments: dict) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
+class ScriptedExpert:
+    """An expert (oracle) written as a generator: ``_script(first observation)`` yields each action and
+    receives the environment's answer to it; once the script is over, ``act`` returns ``fallback``.
+
+    ``reset(observation, info)``, then each turn ``act()`` and ``observe(answer)``, as every agent."""
+
+    fallback = ""
+
+    def _script(self, observation: str) -> Generator[str, str, None]:
+        raise NotImplementedError
+
+    def reset(self, observation: str, info: dict | None = None) -> None:
+        self._gen = self._script(observation)
+        self._next = next(self._gen)
+
+    def act(self, observation: str | None = None, role: str = "user") -> str:
+        """The action for the latest observation (the first call returns the reply to the opening)."""
+        return self.fallback if self._next is None else self._next
+
+    def observe(self, observation: str) -> None:
+        try:
+            self._next = self._gen.send(observation)
+        except StopIteration:
+            self._next = None
+
+
 # ----------------------------------------------------------------------------------------------
 # Backend protocol and the environment
 # ----------------------------------------------------------------------------------------------
@@ -363,3 +389,14 @@ class ToolEnv(gym.Env):
     def close(self):
         self.backend.close()
         super().close()
+
+
+def env_around(backend, env_class: type[ToolEnv] = ToolEnv, **kwargs) -> ToolEnv:
+    """``env_class(backend, **kwargs)``, closing the backend if that fails: a bad argument then stops
+    the backend's server or removes its sandbox folder instead of leaving a thread, process, socket
+    or folder behind."""
+    try:
+        return env_class(backend, **kwargs)
+    except BaseException:
+        backend.close()
+        raise

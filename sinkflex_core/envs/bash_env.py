@@ -17,7 +17,7 @@ import copy
 import re
 from collections.abc import Generator
 
-from .base import ToolResult, format_tool_call
+from .base import ScriptedExpert, ToolResult, format_tool_call
 from .bash_tasks import bash_tasks, check_archive, normalise_answer, read_tree, tree_state, write_tree
 from .retail_tools import ToolError, check_arguments
 from .sandbox import Limits, Sandbox, tree_usage
@@ -181,21 +181,10 @@ def command_for(question: str) -> tuple[str, bool] | None:
     return None
 
 
-class BashExpert:
+class BashExpert(ScriptedExpert):
     """Turns the request into one command, runs it, submits (the output, for a question)."""
 
-    def reset(self, observation: str, info: dict | None = None) -> None:
-        self._gen = self._script(observation)
-        self._next = next(self._gen)
-
-    def act(self, observation: str | None = None, role: str = "user") -> str:
-        return self._next or format_tool_call("submit", {"answer": ""})
-
-    def observe(self, observation: str) -> None:
-        try:
-            self._next = self._gen.send(observation)
-        except StopIteration:
-            self._next = None
+    fallback = format_tool_call("submit", {"answer": ""})
 
     def _script(self, question: str) -> Generator[str, str, None]:
         recipe = command_for(question)

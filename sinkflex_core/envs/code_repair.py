@@ -23,7 +23,7 @@ import stat
 from collections.abc import Generator
 from pathlib import Path
 
-from .base import ToolResult, format_tool_call
+from .base import ScriptedExpert, ToolResult, format_tool_call
 from .code_repair_tasks import bug_catalogue, code_repair_tasks, normalise_output, visible_test_file
 from .retail_tools import ToolError
 from .sandbox import Limits, Sandbox
@@ -265,22 +265,11 @@ def _shell_quote(text: str) -> str:
     return "'" + text.replace("'", "'\\''") + "'"
 
 
-class CodeRepairExpert:
+class CodeRepairExpert(ScriptedExpert):
     """Reads the module, finds a snippet that the templates plant as a bug, patches it, checks with
     the visible tests (undoing the patch and trying the next candidate if they fail), submits."""
 
-    def reset(self, observation: str, info: dict | None = None) -> None:
-        self._gen = self._script(observation)
-        self._next = next(self._gen)
-
-    def act(self, observation: str | None = None, role: str = "user") -> str:
-        return self._next or format_tool_call("submit", {})
-
-    def observe(self, observation: str) -> None:
-        try:
-            self._next = self._gen.send(observation)
-        except StopIteration:
-            self._next = None
+    fallback = format_tool_call("submit", {})
 
     def _script(self, question: str) -> Generator[str, str, None]:
         m = re.search(r"in (\w+)\.py has a bug", question)

@@ -53,17 +53,34 @@ class ScriptedCustomer:
         req = self.requests[self.index]
         low = agent_text.lower()
         if CONFIRM_MARK in low:
-            if req["confirm_keys"] and not self.confirmed and all(mentions(k, agent_text) for k in req["confirm_keys"]):
+            if req["confirm_keys"] and not self.confirmed and all(self._confirms(k, agent_text)
+                                                                   for k in req["confirm_keys"]):
                 self.confirmed = True
                 return "yes", False
             return self._strike("No, that is not what I want. " + req["text"])
         if self.confirmed:
             return self._advance()
-        if req["answer_keys"] and all(answer_given(k, agent_text) for k in req["answer_keys"]):
+        if req["answer_keys"] and all(self._answers(k, agent_text) for k in req["answer_keys"]):
             return self._advance()
-        if "email" in low or "zip" in low:
-            return self._strike(identity_text(self.task["persona"], self.task["identify_by"]))
+        identity = self._identity(low)
+        if identity is not None:
+            return self._strike(identity)
         return self._strike(req["text"])
+
+    # ---- what differs between worlds ----------------------------------------------------------
+    def _confirms(self, key: str, agent_text: str) -> bool:
+        """Whether a confirmation request names ``key``."""
+        return mentions(key, agent_text)
+
+    def _answers(self, key: str, agent_text: str) -> bool:
+        """Whether the agent's message gives the answer ``key``."""
+        return answer_given(key, agent_text)
+
+    def _identity(self, low: str) -> str | None:
+        """The customer's identity if the (lower-cased) message asks for it, else None."""
+        if "email" in low or "zip" in low:
+            return identity_text(self.task["persona"], self.task["identify_by"])
+        return None
 
     def _strike(self, text: str) -> tuple[str, bool]:
         # a customer who is not getting anywhere leaves, so a stuck agent cannot loop forever

@@ -17,7 +17,7 @@ from collections.abc import Generator
 
 import gymnasium as gym
 
-from .base import format_tool_call, parse_action
+from .base import ScriptedExpert, format_tool_call, parse_action
 from .customer import CONFIRM_MARK, STOP
 from .retail_tasks import parse_identity, parse_request
 
@@ -53,25 +53,10 @@ def _find_pm(user: dict, desc: str) -> dict | None:
     return None
 
 
-class RetailOracle:
+class RetailOracle(ScriptedExpert):
     """Policy-following agent for the retail store (a coroutine driven by :meth:`act`)."""
 
-    def reset(self, observation: str, info: dict | None = None) -> None:
-        self._gen = self._script(observation)
-        self._next = next(self._gen)
-
-    def act(self, observation: str | None = None, role: str = "user") -> str:
-        """The action for the latest observation (the first call returns the reply to the opening)."""
-        action = self._next
-        if action is None:
-            return "Goodbye."
-        return action
-
-    def observe(self, observation: str) -> None:
-        try:
-            self._next = self._gen.send(observation)
-        except StopIteration:
-            self._next = None
+    fallback = "Goodbye."
 
     # ---- the script ---------------------------------------------------------------------------
     def _script(self, msg: str) -> Generator[str, str, None]:

@@ -17,12 +17,7 @@ import re
 from functools import lru_cache
 
 from .retail_world import CITIES, STREETS, WorldData
-
-N_TRAIN_TASKS = 600
-N_TEST_TASKS = 120
-N_SYNTHETIC_TASKS = 10_000
-N_TEST_USERS = 100
-SPLITS = ("train", "test", "synthetic")
+from .task_draw import SPLITS, draw_requests, split_draw  # noqa: F401 (SPLITS: the world's splits)
 
 REASON_PHRASES = {"no longer needed": "I no longer need it", "ordered by mistake": "I ordered it by mistake"}
 WRITE_KINDS = ("cancel", "order_address", "user_address", "payment", "items", "return", "exchange")
@@ -387,40 +382,18 @@ def generate_tasks(world: WorldData, split: str, n_tasks: int | None = None) -> 
     ``"synthetic"`` (10,000) is a separate draw over the training users only, the supply of the oracle's
     expert trajectories for SFT (the paper's synthetic expert data): it never shares a user with a
     test task, and its task stream is independent of the ``"train"`` one."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    n_tasks = n_tasks or {"train": N_TRAIN_TASKS, "test": N_TEST_TASKS, "synthetic": N_SYNTHETIC_TASKS}[split]
-    order_rng = random.Random(f"retail-users-{world.seed}")
-    users = sorted(world.users)
-    order_rng.shuffle(users)
-    pool = users[:N_TEST_USERS] if split == "test" else users[N_TEST_USERS:]
+    n_tasks, pool, rng = split_draw(world, split, n_tasks, "retail")
     # name + zip must identify the user
     name_zip_count: dict[tuple, int] = {}
     for u in world.users.values():
         key = (u["first_name"].lower(), u["last_name"].lower(), u["address"]["zip"])
         name_zip_count[key] = name_zip_count.get(key, 0) + 1
-    rng = random.Random(f"retail-tasks-{world.seed}-{split}")
     gen = _Gen(world, rng)
-    kinds, weights = list(KIND_WEIGHTS), list(KIND_WEIGHTS.values())
     tasks: list[dict] = []
     while len(tasks) < n_tasks:
         user = world.users[rng.choice(pool)]
-        n_req = 2 if rng.random() < 0.3 else 1
-        used: set = set()
         state = {"gift": False, "user_address": False}
-        requests = []
-        for _ in range(n_req * 4):
-            req = gen.request(rng.choices(kinds, weights=weights)[0], user, used, state)
-            if req is None:
-                continue
-            if req.get("order_id"):
-                used.add(req["order_id"])
-            req.setdefault("outputs", [])
-            req.setdefault("confirm_keys", [])
-            req.setdefault("answer_keys", [])
-            requests.append(req)
-            if len(requests) == n_req:
-                break
+        requests = draw_requests(gen, rng, KIND_WEIGHTS, user, state, "order_id")
         if not requests:
             continue
         persona = _persona(user)

@@ -87,46 +87,78 @@ def _encodable(text: str) -> bool:
     return True
 
 
+def _short(text: str) -> str:
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
 def check_tool_name(name: str, schemas: dict = _SCHEMA_BY_NAME) -> None:
     """Raise :class:`ToolError` unless ``name`` is one of the tools in ``schemas``."""
     if not isinstance(name, str) or name not in schemas:
-        text = str(name)
-        shown = text if len(text) <= 60 else text[:60] + "..."
-        raise ToolError(f"unknown tool {shown!r}")
+        raise ToolError(f"unknown tool {_short(str(name))!r}")
 
 
-def check_arguments(name: str, arguments: dict, schemas: dict = _SCHEMA_BY_NAME) -> None:
-    """Raise :class:`ToolError` unless ``arguments`` fit the tool's JSON schema."""
+def check_arguments(name: str, arguments: dict, schemas: dict = _SCHEMA_BY_NAME, call: str | None = None) -> None:
+    """Raise :class:`ToolError` unless ``arguments`` fit the tool's JSON schema (``schemas``: tool name ->
+    parameters), so that a malformed call is refused with a clear message before any SQL runs.
+
+    The checker knows the part of JSON Schema the worlds' tools use: strings (with an optional enum),
+    integers with bounds, lists of strings, arrays of objects (``maxItems``), objects with required
+    properties. ``call`` names the call in the messages about its set of arguments (default: the
+    tool's name).
+    """
     check_tool_name(name, schemas)
     if not isinstance(arguments, dict):
-        raise ToolError("arguments must be a JSON object")
-    schema = schemas[name]
-    props = schema["properties"]
-    for key in arguments:
+        raise ToolError(f"{call} must be a JSON object" if call else "arguments must be a JSON object")
+    _check_object(call or name, schemas[name], arguments, top=True)
+
+
+def _check_object(where: str, spec: dict, value, top: bool = False) -> None:
+    if not isinstance(value, dict):
+        raise ToolError(f"{where} must be a JSON object")
+    props = spec["properties"]
+    for key in value:
         if key not in props:
-            shown = key if len(key) <= 60 else key[:60] + "..."
-            raise ToolError(f"{name} got an unexpected argument {shown!r}")
-    for key in schema["required"]:
-        if key not in arguments:
-            raise ToolError(f"{name} is missing the argument {key!r}")
-    for key, value in arguments.items():
-        kind = props[key]["type"]
-        if kind == "string":
-            if not isinstance(value, str):
-                raise ToolError(f"argument {key!r} must be a string")
-            if len(value) > MAX_STRING:
-                raise ToolError(f"argument {key!r} is too long ({len(value)} characters)")
-            if not _encodable(value):
-                raise ToolError(f"argument {key!r} is not valid Unicode text (a lone surrogate)")
-            if "enum" in props[key] and value not in props[key]["enum"]:
-                raise ToolError(f"argument {key!r} must be one of {props[key]['enum']}")
-        elif kind == "array":
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise ToolError(f"argument {key!r} must be a list of strings")
-            if len(value) > MAX_LIST or any(len(v) > MAX_STRING for v in value):
-                raise ToolError(f"argument {key!r} is too long")
-            if not all(_encodable(v) for v in value):
-                raise ToolError(f"argument {key!r} is not valid Unicode text (a lone surrogate)")
+            raise ToolError(f"{where} got an unexpected argument {_short(str(key))!r}")
+    for key in spec["required"]:
+        if key not in value:
+            raise ToolError(f"{where} is missing the argument {key!r}")
+    for key, item in value.items():
+        _check_value(f"argument {key!r}" if top else f"{where}.{key}", props[key], item)
+
+
+def _check_value(where: str, spec: dict, value) -> None:
+    kind = spec["type"]
+    if kind == "string":
+        if not isinstance(value, str):
+            raise ToolError(f"{where} must be a string")
+        if len(value) > MAX_STRING:
+            raise ToolError(f"{where} is too long ({len(value)} characters)")
+        if not _encodable(value):
+            raise ToolError(f"{where} is not valid Unicode text (a lone surrogate)")
+        if "enum" in spec and value not in spec["enum"]:
+            raise ToolError(f"{where} must be one of {spec['enum']}")
+    elif kind == "integer":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ToolError(f"{where} must be an integer")
+        if not spec.get("minimum", -10**9) <= value <= spec.get("maximum", 10**9):
+            raise ToolError(f"{where} must be between {spec.get('minimum')} and {spec.get('maximum')}")
+    elif kind == "array" and spec["items"]["type"] == "string":
+        # a list of ids is refused as a whole: the message names the argument, not an item
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ToolError(f"{where} must be a list of strings")
+        if len(value) > spec.get("maxItems", MAX_LIST) or any(len(v) > MAX_STRING for v in value):
+            raise ToolError(f"{where} is too long")
+        if not all(_encodable(v) for v in value):
+            raise ToolError(f"{where} is not valid Unicode text (a lone surrogate)")
+    elif kind == "array":
+        if not isinstance(value, list):
+            raise ToolError(f"{where} must be a list")
+        if len(value) > spec.get("maxItems", 20):
+            raise ToolError(f"{where} has too many items (at most {spec.get('maxItems', 20)})")
+        for i, item in enumerate(value):
+            _check_value(f"{where}[{i}]", spec["items"], item)
+    elif kind == "object":
+        _check_object(where, spec, value)
 
 
 def _dollars(cents: int) -> float:
@@ -172,23 +204,30 @@ def safe_calculate(expression: str) -> float:
     return round(walk(tree), 2)
 
 
-class RetailTools:
-    """The tools over one episode's SQLite connection.
+class SQLTools:
+    """A world's tools over one episode's SQLite connection, one method per tool.
 
-    ``call(name, arguments)`` is the single entry point (validation, dispatch, error text).
+    ``call(name, arguments)`` is the single entry point: it checks the arguments (``check_arguments``
+    of the subclass), runs the tool's method, and turns a :class:`ToolError` into an ``Error: ...``
+    observation; ``transfer_to_human_agents`` ends the episode.
     """
+
+    check_arguments = staticmethod(check_arguments)
 
     def __init__(self, conn: sqlite3.Connection):
         self.conn = conn
 
-    # ---- entry point ----------------------------------------------------------------------
     def call(self, name: str, arguments: dict) -> ToolResult:
         try:
-            check_arguments(name, arguments)
+            self.check_arguments(name, arguments)
             output = getattr(self, name)(**arguments)
         except ToolError as err:
             return ToolResult(f"Error: {err}")
         return ToolResult(output, done=(name == "transfer_to_human_agents"))
+
+
+class RetailTools(SQLTools):
+    """The store's tools over one episode's SQLite connection (:class:`SQLTools`)."""
 
     # ---- helpers ------------------------------------------------------------------------------
     def _order_row(self, order_id: str) -> sqlite3.Row:

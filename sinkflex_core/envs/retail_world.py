@@ -9,12 +9,12 @@ price differences are exact.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import sqlite3
-import threading
 from dataclasses import dataclass, field
+
+from .sqlite_world import SQLiteWorld, hash_tables
 
 N_USERS = 500
 N_ORDERS = 1000
@@ -203,10 +203,11 @@ CREATE INDEX pm_by_user ON payment_methods (user_id);
 CREATE INDEX orders_by_user ON orders (user_id);
 """
 
-# (table, ORDER BY) for the canonical dump that the state hash is taken over.
-HASHED_TABLES = [("users", "user_id"), ("payment_methods", "payment_method_id"), ("products", "product_id"),
-                 ("variants", "item_id"), ("orders", "order_id"), ("order_items", "order_id, pos"),
-                 ("fulfillments", "order_id, pos"), ("payments", "order_id, pos")]
+# (table, columns, ORDER BY) of the canonical dump that the state hash is taken over.
+HASHED_TABLES = [(table, "*", order) for table, order in [
+    ("users", "user_id"), ("payment_methods", "payment_method_id"), ("products", "product_id"),
+    ("variants", "item_id"), ("orders", "order_id"), ("order_items", "order_id, pos"),
+    ("fulfillments", "order_id, pos"), ("payments", "order_id, pos")]]
 
 _ADDR = ("address1", "address2", "city", "state", "country", "zip")
 
@@ -244,47 +245,20 @@ def write_world(world: WorldData, conn: sqlite3.Connection) -> None:
 
 
 def state_hash(conn: sqlite3.Connection) -> str:
-    """SHA-256 over a canonical dump of every table (all rows in primary-key order, one ``repr`` per
-    table, which is several times faster than hashing row by row)."""
-    h = hashlib.sha256()
-    for table, order in HASHED_TABLES:
-        rows = conn.execute(f"SELECT * FROM {table} ORDER BY {order}").fetchall()
-        h.update(table.encode() + b"\n" + repr(rows).encode() + b"\n")
-    return h.hexdigest()
+    """SHA-256 over a canonical dump of every table (all rows in primary-key order)."""
+    return hash_tables(conn, HASHED_TABLES)
 
 
-class RetailWorld:
+class RetailWorld(SQLiteWorld):
     """A generated store: the plain-Python data plus a cached master SQLite copy.
 
     ``RetailWorld.get(seed)`` returns the process-wide instance for a seed (generated on first use);
     :meth:`new_episode_db` returns a fresh, private in-memory copy of the master database.
     """
 
-    _cache: dict[int, RetailWorld] = {}
-    _lock = threading.Lock()
-
-    def __init__(self, seed: int = 0):
-        self.seed = seed
-        self.data = generate_world(seed)
-        self._master = sqlite3.connect(":memory:", check_same_thread=False)
-        write_world(self.data, self._master)
-        self._master_lock = threading.Lock()
-        self.initial_hash = state_hash(self._master)
-
-    @classmethod
-    def get(cls, seed: int = 0) -> RetailWorld:
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise TypeError(f"world seed must be an int, got {seed!r}")
-        with cls._lock:
-            if seed not in cls._cache:
-                cls._cache[seed] = cls(seed)
-            return cls._cache[seed]
-
-    def new_episode_db(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(":memory:", check_same_thread=False)
-        with self._master_lock:
-            self._master.backup(conn)
-        return conn
+    generate = staticmethod(generate_world)
+    write = staticmethod(write_world)
+    state_hash = staticmethod(state_hash)
 
     def stats(self) -> dict:
         """Counts that the public benchmark's scale is compared against."""

@@ -11,6 +11,7 @@ for the verifier alone, or any callable such as :class:`~.judge.HFJudge`)::
 
 from __future__ import annotations
 
+from .base import env_around
 from .judge import DEFAULT_JUDGE_WEIGHT, JudgedToolEnv
 from .sandbox import Limits
 
@@ -22,12 +23,8 @@ def make_bash_env(split: str = "train", max_turns: int = 12, render_mode: str | 
     from .bash_env import BashBackend
 
     backend = BashBackend(limits, allow_unjailed=allow_unjailed)
-    try:
-        return JudgedToolEnv(backend, split=split, max_turns=max_turns, render_mode=render_mode, judge=judge,
-                             judge_weight=judge_weight)
-    except BaseException:  # a bad argument: remove the sandbox folder instead of leaving it behind
-        backend.close()
-        raise
+    return env_around(backend, JudgedToolEnv, split=split, max_turns=max_turns, render_mode=render_mode,
+                      judge=judge, judge_weight=judge_weight)
 
 
 def make_code_repair_env(split: str = "train", max_turns: int = 16, render_mode: str | None = None,
@@ -37,9 +34,5 @@ def make_code_repair_env(split: str = "train", max_turns: int = 16, render_mode:
     from .code_repair import CodeRepairBackend
 
     backend = CodeRepairBackend(limits, allow_unjailed=allow_unjailed)
-    try:
-        return JudgedToolEnv(backend, split=split, max_turns=max_turns, render_mode=render_mode, judge=judge,
-                             judge_weight=judge_weight)
-    except BaseException:
-        backend.close()
-        raise
+    return env_around(backend, JudgedToolEnv, split=split, max_turns=max_turns, render_mode=render_mode,
+                      judge=judge, judge_weight=judge_weight)
