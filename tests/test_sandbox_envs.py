@@ -119,7 +119,7 @@ def test_archive_reward_opens_the_archive(bash_env):
 
 def test_over_quota_ends_the_episode(bash_env):
     bash_env.reset(options={"task_index": 0})
-    obs, reward, terminated, _, info = bash_env.step(run("mkdir m && cd m && seq 6000 | xargs touch"))
+    obs, reward, terminated, _, info = bash_env.step(run("mkdir m && cd m && touch $(seq 6000)"))
     assert terminated and "over its quota" in obs and info["reward_info"]["over_quota"]
 
 
