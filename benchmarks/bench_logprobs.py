@@ -18,7 +18,7 @@ script prints that bound. The ratio the issue's target is checked on is the "wor
 above the inputs, less the returned gradients (what ``torch.cuda.max_memory_allocated`` minus the
 memory held before the call measures on a GPU).
 
-Targets (issue 4): >= 4x lower peak memory, time within 1.5x of the naive path.
+Targets: >= 4x lower peak memory, time within 1.5x of the naive path.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def main() -> None:
     print("\n'above inputs': peak minus the RSS with hidden states and output layer allocated; 'working set':"
           "\nthat minus the gradients every implementation returns (hidden's, and the weight's if trainable).")
     print("'CPU s': process CPU time (user + system), less sensitive than wall time to other load on the machine.")
-    print("Targets (issue 4): >= 4x lower peak memory of the log-prob computation, time <= 1.5x.")
+    print("Targets: >= 4x lower peak memory of the log-prob computation, time <= 1.5x.")
     if args.csv:
         write_csv(args, rows)
 

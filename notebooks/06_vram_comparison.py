@@ -134,7 +134,7 @@ ratios = bench.ratio_table(gpu, paper)
 ratios
 
 # %% [markdown]
-# ## Issue 8's targets (GPU, capped at 80 GiB, the harness's own step)
+# ## Our GPU targets (capped at 80 GiB, the harness's own step)
 #
 # "not measured yet" until `data/vram_h200.csv` exists (one run of `benchmarks/gpu_vram_run.sh`).
 

@@ -74,7 +74,7 @@ comparison = bench.paper_vs_ours()
 print(comparison.to_string(index=False))
 
 # %% [markdown]
-# ## Issue 8's targets
+# ## Our GPU targets
 
 # %%
 print(bench.targets_report(bench.load_vram_results()).to_string(index=False))
