@@ -207,6 +207,18 @@ def _flex(device_type: str):
     return _COMPILED_FLEX[key]
 
 
+def _checked_arguments(q: Tensor, k: Tensor, v: Tensor, mask: SinkFlexMask | None, n_sink, window, scale):
+    """The arguments every kernel shares, checked and completed: the causal mask by default, whole
+    counts, and the 1/sqrt(D) scale by default. Returns ``(mask, n_sink, window, scale)``."""
+    if mask is None:
+        mask = SinkFlexMask.causal(q.shape[0], q.shape[2], k.shape[2], device=q.device)
+    _check_inputs(q, k, v, mask)
+    n_sink = _check_count("n_sink", n_sink, 0)
+    window = None if window is None else _check_count("window", window, 1)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return mask, n_sink, window, scale
+
+
 def sink_attention(
     q: Tensor,
     k: Tensor,
@@ -228,12 +240,7 @@ def sink_attention(
     (flex on CUDA, chunked elsewhere). Returns out (B, H, Lq, D) in q's dtype, and the log-sum-exp
     (B, H, Lq) float32 of the visible scores (before the sink) when ``return_lse``.
     """
-    if mask is None:
-        mask = SinkFlexMask.causal(q.shape[0], q.shape[2], k.shape[2], device=q.device)
-    _check_inputs(q, k, v, mask)
-    n_sink = _check_count("n_sink", n_sink, 0)
-    window = None if window is None else _check_count("window", window, 1)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    mask, n_sink, window, scale = _checked_arguments(q, k, v, mask, n_sink, window, scale)
     if backend == "auto":
         backend = "flex" if q.device.type == "cuda" else "chunked"
     if backend == "flex":
@@ -279,12 +286,7 @@ def reference_attention(
 ) -> Tensor:
     """Dense float64 reference: full score matrix, K/V repeated, the sink as an extra softmax column
     that is dropped after normalising. Same arguments as :func:`sink_attention`; returns float64."""
-    if mask is None:
-        mask = SinkFlexMask.causal(q.shape[0], q.shape[2], k.shape[2], device=q.device)
-    _check_inputs(q, k, v, mask)
-    n_sink = _check_count("n_sink", n_sink, 0)
-    window = None if window is None else _check_count("window", window, 1)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    mask, n_sink, window, scale = _checked_arguments(q, k, v, mask, n_sink, window, scale)
     g = q.shape[1] // k.shape[1]
     q64, k64, v64 = (x.double() for x in (q, k, v))
     k64, v64 = k64.repeat_interleave(g, dim=1), v64.repeat_interleave(g, dim=1)
