@@ -30,7 +30,7 @@ from sinkflex_core.paths import build_dir, data_dir, figures_dir, repo_root
 # %% [markdown]
 # ## The configuration
 #
-# `TrainConfig` is one typed dataclass; a preset fills it and any key can be overridden (`sinkflex train --lr 1e-4 --group-size 4`, or `--set key=value`). Bad values are refused with a message naming the key. The resolved config is saved as `config.json` beside every run. The paper's run: Qwen2.5-7B-Instruct with LoRA, lr 5e-6, 32 tasks x 8 samples per step, KL coefficient 0.04, 3 epochs over the training tasks, 8,192-token trajectories, vLLM rollouts, sink-aware attention, FSDP2 over 8 GPUs.
+# `TrainConfig` is one typed dataclass; a preset fills it and any key can be overridden (`sinkflex train --lr 1e-4 --group-size 4`, or `--set key=value`). The two training presets, `tiny-cpu` and `paper-8xh100`, are listed in `sinkflex_core.presets` with the model shape each one trains (`tiny-policy`, `qwen25-7b`), the same shapes the VRAM harness of notebook 06 measures. Bad values are refused with a message naming the key. The resolved config is saved as `config.json` beside every run. The paper's run: Qwen2.5-7B-Instruct with LoRA, lr 5e-6, 32 tasks x 8 samples per step, KL coefficient 0.04, 3 epochs over the training tasks, 8,192-token trajectories, vLLM rollouts, sink-aware attention, FSDP2 over 8 GPUs.
 
 # %%
 # NBVAL_CHECK_OUTPUT

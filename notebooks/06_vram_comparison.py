@@ -23,7 +23,7 @@ smoke = resolve_smoke(smoke)
 # %% [markdown]
 # ## The harness
 #
-# `sinkflex bench vram` runs each case in a fresh Python process (so one case's allocator state or out-of-memory never leaks into the next) and appends a row per case to `data/vram_<gpu>.csv`. The same call from a shell:
+# `sinkflex bench vram` runs each case in a fresh Python process (so one case's allocator state or out-of-memory never leaks into the next) and appends a row per case to `data/vram_<gpu>.csv`. `preset` is a model shape of `sinkflex_core.presets` (`tiny`, `tiny-policy`, `qwen25-1.5b`, `qwen25-7b`), or a training preset for the shape of the model it trains (`paper-8xh100` is `qwen25-7b`); the CSV's `preset` column names the shape. The same call from a shell:
 #
 # ```
 # sinkflex bench vram --attention eager sdpa sinkflex --logprobs full chunked --mlp plain tiled --tokens 512 1024 2048

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from sinkflex_core import bench
+from sinkflex_core import bench, presets
 from sinkflex_core.bench import Case, Settings
 
 SMALL = Settings(preset="tiny", device="cpu", dtype="fp32", chunk_size=64, slice_tokens=64, seed=0)
@@ -25,7 +25,7 @@ def _loss_and_grads(case: Case, settings: Settings):
     for name, p in policy.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
-    batch = bench.step_batch(case.tokens, bench.get_preset(settings.preset).vocab, "cpu", 0)
+    batch = bench.step_batch(case.tokens, presets.shape(settings.preset).vocab, "cpu", 0)
 
     class NoStep:  # measure the gradients before they are applied
         grads: dict = {}

@@ -28,17 +28,13 @@ from .step import (
     GIB,
     LOGPROBS,
     MLPS,
-    PRESETS,
     RESULT_MARK,
     STATUSES,
     Case,
-    Preset,
     Settings,
     build_policy,
-    get_preset,
     grpo_step,
     plan,
-    qwen2_config,
     run_case,
     step_batch,
     train_config,
@@ -46,10 +42,10 @@ from .step import (
 from .vram import describe_row, gpu_slug, row_for, row_provenance, run_case_subprocess, run_cases, vram_main
 
 __all__ = [
-    "ATTENTIONS", "COLUMNS", "GIB", "LOGPROBS", "MLPS", "PRESETS", "RESULTS_BEGIN", "RESULTS_END", "RESULT_MARK",
-    "STATUSES", "Case", "Preset", "Settings", "build_policy", "case_label", "describe_row", "get_preset",
+    "ATTENTIONS", "COLUMNS", "GIB", "LOGPROBS", "MLPS", "RESULTS_BEGIN", "RESULTS_END", "RESULT_MARK",
+    "STATUSES", "Case", "Settings", "build_policy", "case_label", "describe_row",
     "gpu_slug", "grpo_step", "load_paper_claims", "load_vram_results", "main", "paper_vs_ours", "plan",
-    "plot_cpu_step_memory", "plot_peak_vs_length", "qwen2_config", "ratio_table", "readme_with_results",
+    "plot_cpu_step_memory", "plot_peak_vs_length", "ratio_table", "readme_with_results",
     "regenerate_figures", "results_main", "results_markdown", "row_for", "row_provenance", "run_case",
     "run_case_subprocess", "run_cases", "step_batch", "step_rows", "targets_report", "train_config", "vram_main",
 ]

@@ -1,5 +1,5 @@
-"""One case of the VRAM harness, in this process: the model shapes (presets), the case (attention x
-log-prob path x MLP x length), and one GRPO step of the trainer's own update
+"""One case of the VRAM harness, in this process: the case (attention x log-prob path x MLP x length,
+at a model shape of :mod:`sinkflex_core.presets`), and one GRPO step of the trainer's own update
 (:func:`sinkflex_core.train.update.grpo_update`, on a policy from :func:`sinkflex_core.train.load_model`)
 with its peak memory and time.
 
@@ -16,6 +16,8 @@ import dataclasses
 import importlib
 import time
 from dataclasses import dataclass, field
+
+from ..presets import shape
 
 ATTENTIONS = ("eager", "sdpa", "flex", "sinkflex")
 LOGPROBS = ("full", "chunked")
@@ -34,60 +36,6 @@ COLUMNS = [
     "chunk_size", "slice_tokens", "n_sink", "window", "steps", "warmup", "cap_gib", "seed",
     "device", "gpu", "hardware", "driver", "torch", "transformers", "peft", "python", "date", "git_sha", "source", "note",
 ]
-
-
-
-# ----------------------------------------------------------------------------------------------
-# Model shapes
-# ----------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Preset:
-    """A model shape and the settings that suit it."""
-
-    name: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-    chunk_size: int  # log-prob chunk (tokens)
-    slice_tokens: int  # tiled-MLP slice (tokens)
-    window: int  # sinkflex window (keys)
-
-
-PRESETS = {
-    # Qwen2.5-7B's published hyperparameters (its config.json on the Hugging Face Hub).
-    "qwen25-7b": Preset("qwen25-7b", hidden=3584, layers=28, heads=28, kv_heads=4, ffn=18944, vocab=152064,
-                        chunk_size=2048, slice_tokens=8192, window=4096),
-    # A CPU-sized stand-in with the same proportions where they matter for memory: vocabulary large
-    # against hidden (logits dominate), FFN ~5x hidden, grouped KV heads.
-    "tiny": Preset("tiny", hidden=256, layers=4, heads=4, kv_heads=2, ffn=1344, vocab=16384,
-                   chunk_size=256, slice_tokens=512, window=256),
-    # Smaller GPU shape for full fine-tuning (weights + grads + AdamW states fit under 80 GiB).
-    "qwen25-1.5b": Preset("qwen25-1.5b", hidden=1536, layers=28, heads=12, kv_heads=2, ffn=8960,
-                          vocab=151936, chunk_size=2048, slice_tokens=8192, window=4096),
-}
-
-
-
-def qwen2_config(preset: Preset, max_tokens: int = 32768):
-    """A transformers ``Qwen2Config`` for ``preset``: ``models.qwen25_7b_config`` for the 7B shape, else
-    the project's one small-model family, ``models.tiny_qwen2_config``, at the preset's sizes."""
-    from .. import models
-
-    if preset.name == "qwen25-7b":
-        config = models.qwen25_7b_config()
-    else:
-        config = models.tiny_qwen2_config(vocab_size=preset.vocab, hidden_size=preset.hidden, num_layers=preset.layers,
-                                          num_heads=preset.heads, num_kv_heads=preset.kv_heads,
-                                          intermediate_size=preset.ffn)
-    config.max_position_embeddings = max(int(config.max_position_embeddings), int(max_tokens))
-    config.use_cache = False
-    return config
-
-    return config
 
 
 # ----------------------------------------------------------------------------------------------
@@ -114,7 +62,7 @@ class Case:
 class Settings:
     """Everything about a run that is not the case itself."""
 
-    preset: str = "tiny"
+    preset: str = "tiny"  # a name of sinkflex_core.presets: a shape, or a run (its model's shape)
     device: str = "auto"  # auto | cuda | cpu
     dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32
     finetune: str = "lora"  # lora | full
@@ -132,7 +80,7 @@ class Settings:
 
     def resolved(self) -> Settings:
         """A copy with ``auto`` and ``None`` replaced by the preset's and machine's values."""
-        preset = get_preset(self.preset)
+        preset = shape(self.preset)
         device = self.device
         if device == "auto":
             device = "cuda" if _cuda_available() else "cpu"
@@ -143,12 +91,6 @@ class Settings:
             slice_tokens=self.slice_tokens or preset.slice_tokens,
             window=self.window or preset.window,
         )
-
-
-def get_preset(name: str) -> Preset:
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return PRESETS[name]
 
 
 def _cuda_available() -> bool:
@@ -267,7 +209,7 @@ def build_policy(case: Case, settings: Settings):
         raise ValueError(f"logprobs must be one of {LOGPROBS}, got {case.logprobs!r}")
     cfg = train_config(case, settings)
     model = load_model(cfg, None, torch.device(settings.device),
-                       model_config=qwen2_config(get_preset(settings.preset), max_tokens=case.tokens))
+                       model_config=shape(settings.preset).model_config(max_tokens=case.tokens))
     policy = TokenLogprobs(model, cfg.logprob_chunk_size, entropy_grad=cfg.entropy_coef > 0)
     policy.train()
     return policy, cfg
@@ -339,7 +281,7 @@ def run_case(case: Case, settings: Settings, cap_this_process: bool = False) -> 
         optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                       weight_decay=cfg.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, settings.warmup + settings.steps))
-        batch = step_batch(case.tokens, get_preset(settings.preset).vocab, settings.device, settings.seed)
+        batch = step_batch(case.tokens, shape(settings.preset).vocab, settings.device, settings.seed)
         row["base_gib"] = memory.current_gib()
         if settings.device == "cpu" and settings.cap_gib and cap_this_process:
             _cap_cpu_address_space(settings.cap_gib)

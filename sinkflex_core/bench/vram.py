@@ -42,19 +42,18 @@ import sys
 import time
 from pathlib import Path
 
+from .. import presets
 from .step import (
     ATTENTIONS,
     COLUMNS,
     LOGPROBS,
     MLPS,
-    PRESETS,
     RESULT_MARK,
     Case,
     Settings,
     _cuda_available,
     _first_line,
     _unavailable_reason,
-    get_preset,
     plan,
     run_case,
 )
@@ -152,7 +151,7 @@ def gpu_slug(settings: Settings) -> str:
 
 def row_for(case: Case, settings: Settings, result: dict, prov: dict) -> dict:
     """A full CSV row: the case, its result and the provenance."""
-    preset = get_preset(settings.preset)
+    preset = presets.shape(settings.preset)
     row = dict.fromkeys(COLUMNS, "")
     row.update(prov)
     row.update(case=case.name, attention=case.attention, logprobs=case.logprobs, mlp=case.mlp, tokens=case.tokens,
@@ -232,8 +231,9 @@ def _vram_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sinkflex bench vram",
         description="Peak memory and time of one GRPO training step, one process per case.")
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help="model shape (default: qwen25-7b on a GPU, tiny on CPU)")
+    p.add_argument("--preset", default=None, choices=presets.names(),
+                   help="model shape, or a training run for its model's shape (sinkflex_core.presets; "
+                        "default: qwen25-7b on a GPU, tiny on CPU)")
     p.add_argument("--attention", nargs="+", default=list(ATTENTIONS), choices=ATTENTIONS)
     p.add_argument("--logprobs", nargs="+", default=list(LOGPROBS), choices=LOGPROBS)
     p.add_argument("--mlp", nargs="+", default=list(MLPS), choices=MLPS)
@@ -288,7 +288,7 @@ def vram_main(argv: list[str]) -> int:
         for case in cases:
             print(case.name)
         return 0
-    if device == "cpu" and preset != "tiny":
+    if device == "cpu" and presets.shape(preset).hidden >= 1024:
         print(f"note: preset {preset} on CPU needs many GiB of RAM", file=sys.stderr)
     if args.out == "-":
         out = None

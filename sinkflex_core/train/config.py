@@ -281,6 +281,7 @@ PAPER_8XH100 = dict(
 # start solved sometimes); that file belongs to one start's weights, so it is not part of the preset.
 TINY_CPU = dict(preset="tiny-cpu", drop_uniform_groups=True)
 
+# The training runs by name; sinkflex_core.presets lists them beside the model shape each one trains.
 PRESETS: dict[str, dict] = {"tiny-cpu": TINY_CPU, "paper-8xh100": PAPER_8XH100}
 
 
