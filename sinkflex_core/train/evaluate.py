@@ -129,11 +129,28 @@ def policy_digest(policy_dir: str | os.PathLike) -> str:
     return hashlib.sha256("".join(file_digest(f) for f in files).encode()).hexdigest()[:16]
 
 
+def attention_label(sinks: dict | None) -> str:
+    """How a table names the attention a policy was played with: ``"saved"`` (the folder's own) or
+    ``"sinkflex(n_sink=4,window=256,layer_sinks=[..])"`` for the settings given to :func:`success_table`."""
+    if not sinks:
+        return "saved"
+    sinks = dict(sinks)
+    if isinstance(sinks.get("layer_sinks"), str | os.PathLike):  # the counts, not where they were read
+        from ..attention import load_layer_sinks
+
+        sinks["layer_sinks"] = load_layer_sinks(sinks["layer_sinks"])
+    return "sinkflex(" + ",".join(f"{k}={sinks[k]}" for k in sorted(sinks)).replace(" ", "") + ")"
+
+
 def success_table(policy_dir: str | os.PathLike, split: str, tasks: list[int], samples: int,
                   tasks_per_call: int = 8, seed: int = 0, progress: bool = True,
-                  env_id: str = "sinkflex/Retail-v0") -> Any:
+                  env_id: str = "sinkflex/Retail-v0", sinks: dict | None = None) -> Any:
     """One row per task (its write actions, successes out of ``samples``) for the saved policy in
-    ``policy_dir``, with the policy's folder name and weights digest, the settings and provenance."""
+    ``policy_dir``, with the policy's folder name and weights digest, the settings and provenance.
+
+    ``sinks``: keyword arguments of :func:`sinkflex_core.attention.apply` (``n_sink``, ``window``,
+    ``layer_sinks``, ``learn_sinks``) to play a policy saved with plain attention with sink attention,
+    as a GRPO run with ``attention="sinkflex"`` starts it; the ``attention`` column records them."""
     import pandas as pd
 
     from ..models import load_policy
@@ -143,13 +160,19 @@ def success_table(policy_dir: str | os.PathLike, split: str, tasks: list[int], s
 
     start = time.perf_counter()
     model = load_policy(policy_dir)  # with the attention it was trained with (sinks, window, sink logits)
+    if sinks:
+        from ..attention import apply, attention_settings
+
+        if attention_settings(policy_dir) is not None:
+            raise ValueError(f"{policy_dir} was saved with sink attention already: play it with its own (sinks=None)")
+        apply(model, **sinks)
     tokenizer = load_saved_tokenizer(policy_dir)
     counts = success_counts(HFBackend(model, tokenizer), tokenizer, split, tasks, samples, tasks_per_call, seed,
                             progress, env_id)
     table = pd.DataFrame({"task": tasks, "kind": task_kinds(split, tasks, env_id), "successes": counts,
                           "tries": samples})
     table = table.assign(policy=Path(policy_dir).name, policy_digest=policy_digest(policy_dir), split=split,
-                         reward_version=reward_version(env_id), seed=seed,
+                         attention=attention_label(sinks), reward_version=reward_version(env_id), seed=seed,
                          minutes=round((time.perf_counter() - start) / 60, 2))
     for key, value in provenance().items():
         table[key] = value
@@ -158,7 +181,7 @@ def success_table(policy_dir: str | os.PathLike, split: str, tasks: list[int], s
 
 def screen_or_reuse(policy_dir: str | os.PathLike, path: str | os.PathLike, samples: int = 4,
                     split: str = "train", tasks: int = 0, seed: int = 0, progress: bool = True,
-                    env_id: str = "sinkflex/Retail-v0") -> Path:
+                    env_id: str = "sinkflex/Retail-v0", sinks: dict | None = None) -> Path:
     """Write ``path``, the screen of the first ``tasks`` tasks of ``split`` (0: all; ``samples``
     episodes each; pass it as ``task_screen``), unless it already holds one of these very weights (same
     ``policy_digest``, split, tasks and samples) made under the current ``REWARD_VERSION``; returns ``path``. The tiny policy takes about 20
@@ -174,12 +197,14 @@ def screen_or_reuse(policy_dir: str | os.PathLike, path: str | os.PathLike, samp
         if ({"task", "policy_digest", "split", "tries", "reward_version"} <= set(old.columns)
                 and list(old["task"]) == task_ids and set(old["policy_digest"].astype(str)) == {digest}
                 and set(old["split"]) == {split} and set(old["tries"]) == {samples}
-                and set(old["reward_version"]) == {reward_version(env_id)}):
+                and set(old["reward_version"]) == {reward_version(env_id)}
+                and set(old.get("attention", ["saved"])) == {attention_label(sinks)}):
             print(f"screen: reusing {path} (same policy weights)", file=sys.stderr, flush=True)
             return path
     print(f"screen: {len(task_ids)} {split} tasks x {samples} episodes of {policy_dir} -> {path}", file=sys.stderr,
           flush=True)
-    table = success_table(policy_dir, split, task_ids, samples, seed=seed, progress=progress, env_id=env_id)
+    table = success_table(policy_dir, split, task_ids, samples, seed=seed, progress=progress, env_id=env_id,
+                          sinks=sinks)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     table.to_csv(tmp, index=False)

@@ -1,0 +1,284 @@
+"""The start policy of the small-scale reproduction, shipped in the repository.
+
+The paper starts GRPO from an instruct checkpoint (Qwen2.5-7B-Instruct). Nothing here downloads
+weights, so the repository ships its own start: a tiny Qwen2 trained on the retail oracle's episodes
+by the SFT recipe of :mod:`sinkflex_core.sft` (two stages: :class:`~sinkflex_core.sft.SFTConfig`'s
+defaults, then :data:`~sinkflex_core.sft.IDENTITY_STAGE`), in ``checkpoints/retail-tiny-start/``
+with what GRPO needs beside the weights:
+
+- ``sinkflex_sinks.json``: the per-layer sink counts estimated from this policy
+  (:func:`sinkflex_core.attention.estimate_layer_sinks` on expert episodes of the training split), which
+  the ``tiny-cpu`` preset's sink attention uses;
+- ``test_rewards.csv``: every test task played ``--test-samples`` times, with full attention and with
+  the preset's sink attention (the start's reward; column ``attention``);
+- ``train_screen.csv``: the training tasks played ``--screen-samples`` times with the preset's
+  attention, the screen GRPO trains on (:func:`sinkflex_core.train.screened_tasks`);
+- ``recipe/``: each SFT stage's config and history;
+- ``README.md``: the model card, written from the files above.
+
+Regenerate it (about 90 minutes on 2 cores; each finished part is reused when run again)::
+
+    python -m sinkflex_core.start                    # -> checkpoints/retail-tiny-start
+    python -m sinkflex_core.start --card-only        # rewrite README.md from the files in the folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from .paths import repo_root
+
+#: Where the shipped start lives, relative to the repository's root.
+START_SUBDIR = Path("checkpoints") / "retail-tiny-start"
+#: The files of a saved policy that travel with the start (the rest of an SFT folder stays behind).
+POLICY_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def start_dir() -> Path:
+    """``checkpoints/retail-tiny-start`` in this repository: the policy GRPO's ``tiny-cpu`` preset starts from."""
+    return repo_root() / START_SUBDIR
+
+
+#: The sink attention the ``tiny-cpu`` preset plays this start with (sink tokens, a window shorter than
+#: the episodes of about a thousand tokens, the learned zero-value sink; per-layer counts from
+#: ``sinkflex_sinks.json`` where a layer's estimate differs).
+SINKS = {"n_sink": 4, "window": 256, "learn_sinks": True}
+
+
+def sink_settings(folder: str | Path | None = None) -> dict:
+    """The keyword arguments of :func:`sinkflex_core.attention.apply` for the start in ``folder``
+    (default: :func:`start_dir`): :data:`SINKS` with its per-layer sink counts."""
+    folder = Path(folder) if folder is not None else start_dir()
+    return {**SINKS, "layer_sinks": str(folder / "sinkflex_sinks.json")}
+
+
+def calibration_ids(policy_dir: str | Path, episodes: int = 16, length: int = 768):
+    """(B, L) token ids for the sink estimate: the first ``length`` tokens of the oracle's episodes of
+    the first training tasks whose episodes are at least that long (``episodes`` rows)."""
+    import torch
+
+    from . import models, sft
+
+    tokenizer = models.load_tokenizer(str(policy_dir))
+    cfg = sft.SFTConfig(**sft.saved_config(policy_dir)) if (Path(policy_dir) / "sft_config.json").is_file() \
+        else sft.SFTConfig()
+    rows = [e["input_ids"] for e in sft.expert_examples(tokenizer, cfg, list(range(4 * episodes)), split="train")]
+    rows = [r[:length] for r in rows if len(r) >= length][:episodes]
+    if not rows:
+        raise RuntimeError(f"no expert episode of {length} tokens or more for the sink estimate")
+    return torch.stack(rows)
+
+
+def estimate_sinks(policy_dir: str | Path) -> Path:
+    """Estimate the per-layer sink counts of the policy in ``policy_dir`` and save them there
+    (``sinkflex_sinks.json``); returns the file."""
+    import torch
+
+    from . import attention, models
+
+    model = models.load_policy(policy_dir, attn_implementation="sdpa")
+    with torch.no_grad():
+        est = attention.estimate_layer_sinks(model, calibration_ids(policy_dir))
+    return attention.save_layer_sinks(est, policy_dir)
+
+
+def _export(source: Path, out: Path, stages: list[Path]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for name in POLICY_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, out / name)
+    shutil.copy2(source / "sft_config.json", out / "sft_config.json")
+    recipe = out / "recipe"
+    recipe.mkdir(exist_ok=True)
+    for n, stage in enumerate(stages, 1):
+        shutil.copy2(stage / "sft_config.json", recipe / f"stage{n}_{stage.name}_config.json")
+        shutil.copy2(stage / "sft_history.csv", recipe / f"stage{n}_{stage.name}_history.csv")
+
+
+def measure(out: Path, test_samples: int = 8, screen_samples: int = 4, progress: bool = True,
+            test_tasks: int = 0, screen_tasks: int = 0) -> None:
+    """Write ``test_rewards.csv`` (the first ``test_tasks`` test tasks, 0: all; full attention and the
+    preset's sink attention) and ``train_screen.csv`` (the first ``screen_tasks`` training tasks, 0: all;
+    the preset's attention) into ``out``, each part skipped when its file already holds these weights."""
+    import pandas as pd
+
+    from .train import count_tasks, policy_digest, screen_or_reuse, success_table
+    from .train.evaluate import attention_label
+
+    digest = policy_digest(out)
+    sinks = sink_settings(out)
+    n_test = test_tasks or count_tasks("sinkflex/Retail-v0", "test")
+    path = out / "test_rewards.csv"
+    old = pd.read_csv(path, dtype={"policy_digest": str}) if path.is_file() else None
+    tables = []
+    for settings in (None, sinks):
+        label = attention_label(settings)
+        if old is not None:
+            part = old[(old["attention"] == label) & (old["policy_digest"] == digest) & (old["tries"] == test_samples)]
+            if part["task"].nunique() == n_test:
+                tables.append(part)
+                continue
+        t0 = time.perf_counter()
+        tables.append(success_table(out, "test", list(range(n_test)), test_samples, progress=progress, sinks=settings))
+        mean = tables[-1]["successes"].sum() / (n_test * test_samples)
+        print(f"start: test reward {mean:.3f} ({label}; {(time.perf_counter() - t0) / 60:.1f} min)",
+              file=sys.stderr, flush=True)
+        pd.concat(tables).to_csv(path, index=False)  # each finished part kept, should the next one be cut off
+    screen_or_reuse(out, out / "train_screen.csv", samples=screen_samples, tasks=screen_tasks, progress=progress,
+                    sinks=sinks)
+
+
+#: The first SFT stage of the shipped start: the SFT defaults, stopped by a step count rather than by
+#: the clock, so that the recipe gives the same policy on a busy machine as on an idle one.
+STAGE1 = {"max_steps": 1500, "max_minutes": 240.0}
+
+
+def build(out: str | Path | None = None, work_dir: str | Path = "runs/start", threads: int = 0,
+          test_samples: int = 8, screen_samples: int = 4, progress: bool = True) -> Path:
+    """Train (or reuse) the two SFT stages in ``work_dir``, copy the policy to ``out`` (default:
+    :func:`start_dir`), estimate its sinks, measure it and write its model card. Returns ``out``."""
+    from . import sft
+
+    out = Path(out) if out is not None else start_dir()
+    work = Path(work_dir)
+    base = sft.train_or_reuse(sft.SFTConfig(out_dir=str(work / "sft"), threads=threads, progress=progress, **STAGE1))
+    final = sft.train_or_reuse(sft.identity_stage(base, work / "sft_identity", threads=threads, progress=progress))
+    _export(final, out, [base, final])
+    estimate_sinks(out)
+    measure(out, test_samples, screen_samples, progress)
+    write_card(out)
+    return out
+
+
+# ---- the model card ---------------------------------------------------------------------------------
+
+def _interval(successes, tries, draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """Mean success rate and a 95 % bootstrap interval over tasks (tasks resampled)."""
+    import numpy as np
+
+    rate = np.asarray(successes, float) / np.asarray(tries, float)
+    rng = np.random.default_rng(seed)
+    means = rate[rng.integers(0, len(rate), (draws, len(rate)))].mean(axis=1)
+    return float(rate.mean()), float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
+
+
+def card_text(out: Path) -> str:
+    """The model card of the start in ``out``, from the files there."""
+    import pandas as pd
+    from safetensors import safe_open
+
+    from .train import policy_digest
+
+    cfgs = sorted((out / "recipe").glob("stage*_config.json"))
+    hists = sorted((out / "recipe").glob("stage*_history.csv"))
+    shape = json.loads((out / "config.json").read_text())
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+    lines = ["# retail-tiny-start: the start policy of the small-scale reproduction", "",
+             "A tiny Qwen2 causal LM trained from scratch on the retail oracle's episodes "
+             "(`sinkflex/Retail-v0`), the policy GRPO's `tiny-cpu` preset starts from, as the paper's runs "
+             "start from Qwen2.5-7B-Instruct. It plays the store's customer-service agent: tool calls as "
+             "`<tool_call>{...}</tool_call>`, the compact system prompt of the SFT recipe, episodes up to "
+             "2,048 tokens.", "",
+             "## Model", "",
+             f"- Architecture: Qwen2, hidden size {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
+             f"{shape['num_attention_heads']} attention heads ({shape['num_key_value_heads']} key-value heads), "
+             f"vocabulary {shape['vocab_size']:,} (a BPE tokenizer trained on the store's texts, in this folder); "
+             f"{params:,} parameters, float32.",
+             f"- Weights digest (first 16 hex digits of the SHA-256 of `model.safetensors`): `{policy_digest(out)}`.",
+             "- Trained with full causal attention (sdpa). `sinkflex_sinks.json` holds the per-layer sink counts "
+             "estimated from it (`sinkflex_core.attention.estimate_layer_sinks`), which GRPO's sink attention uses.",
+             "", "## Recipe and data", ""]
+    total_tokens = 0
+    for c, h in zip(cfgs, hists):
+        cfg, hist = json.loads(c.read_text()), pd.read_csv(h)
+        warm = cfg.get("copy_warmup_steps", 0) if not cfg.get("init_from") else 0
+        warm += cfg.get("identity_warmup_steps", 0) + cfg.get("recall_warmup_steps", 0)
+        steps = int(hist["step"].max())
+        tokens = (steps + warm) * cfg["batch_tokens"]
+        total_tokens += tokens
+        best = hist[hist["best"]].iloc[-1] if "best" in hist and hist["best"].any() else hist.iloc[-1]
+        lines.append(f"- `{c.name.split('_config')[0]}`: {warm:,} warm-up steps and {steps:,} SFT steps of "
+                     f"{cfg['batch_tokens']:,} padded tokens ({tokens / 1e6:.1f}M tokens), lr {cfg['lr']}, "
+                     f"{hist['elapsed_s'].max() / 60:.1f} minutes of SFT after the warm-up; the weights of step "
+                     f"{int(best['step'])} kept (validation reward {best['val_reward']:.3f}, "
+                     f"{cfg['val_tasks']} training-split tasks never in the data).")
+    lines += [f"- About {total_tokens / 1e6:.0f}M tokens seen in all. Data: the oracle's episodes of the "
+              "10,000 synthetic retail tasks (users of the training split, apart from GRPO's 600 training "
+              "tasks and the 120 test tasks), people and places renamed per episode; copy drills and "
+              "identity-lookup rows as `sinkflex_core.sft` documents.",
+              "- What was tried on the way, and what did not help: `docs/experiments.md`.", "",
+              "## Measured", ""]
+    tests = pd.read_csv(out / "test_rewards.csv")
+    for label, t in tests.groupby("attention", sort=False):
+        mean, lo, hi = _interval(t["successes"], t["tries"])
+        row = t.iloc[0]
+        what = "full attention" if label == "saved" else f"sink attention {label}"
+        lines.append(f"- Test reward with {what}: **{mean:.3f}** (95 % bootstrap interval over tasks "
+                     f"{lo:.3f}-{hi:.3f}), all {t['task'].nunique()} test tasks x {int(row['tries'])} episodes, "
+                     f"temperature 1; {row['minutes']} minutes on {row['hardware']}, commit {row['git_sha']}.")
+        kinds = t.groupby("kind")["successes"].sum() / t.groupby("kind")["tries"].sum()
+        lines.append("  By request kind: " + ", ".join(f"{k} {v:.2f}" for k, v in kinds.items()) + ".")
+    screen_path = out / "train_screen.csv"
+    if screen_path.is_file():
+        screen = pd.read_csv(screen_path)
+        some = int(((screen["successes"] > 0) & (screen["successes"] < screen["tries"])).sum())
+        lines.append(f"- Training tasks solved sometimes but not always ({int(screen['tries'].iloc[0])} episodes "
+                     f"each, {screen['attention'].iloc[0]}): {some} of {len(screen)}; the screen GRPO trains on "
+                     "(`train_screen.csv`).")
+    lines += ["- The paper's start, Qwen2.5-7B-Instruct, scores 0.25 on its retail tasks: the two numbers "
+              "are of different models on different task sets and are not comparable as a percentage.", "",
+              "## Regenerate", "", "```", "python -m sinkflex_core.start", "```", "",
+              "About 90 minutes on 2 CPU cores: the two SFT stages (about 55 minutes), the test rewards and "
+              "the screen. Finished parts are reused when run again; `--card-only` rewrites this card.", "",
+              "## Use", "", "```python", "from sinkflex_core import models, start",
+              "policy = models.load_policy(start.start_dir())", "```", "",
+              "`sinkflex train` (preset `tiny-cpu`) starts from this folder unless `--model` says otherwise.", ""]
+    return "\n".join(lines)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def write_card(out: str | Path) -> Path:
+    """Write ``README.md``, the model card, into ``out``."""
+    path = Path(out) / "README.md"
+    path.write_text(card_text(Path(out)))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sinkflex_core.start", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="where the start goes (default: checkpoints/retail-tiny-start)")
+    p.add_argument("--work-dir", default="runs/start", help="where the SFT stages train (reused when run again)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--test-samples", type=int, default=8, help="episodes per test task")
+    p.add_argument("--screen-samples", type=int, default=4, help="episodes per training task in the screen")
+    p.add_argument("--card-only", action="store_true", help="only rewrite README.md from the folder's files")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    if args.card_only:
+        print(write_card(Path(args.out) if args.out else start_dir()))
+        return 0
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    out = build(args.out, args.work_dir, args.threads, args.test_samples, args.screen_samples,
+                progress=not args.no_progress)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

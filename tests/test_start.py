@@ -1,0 +1,98 @@
+"""The shipped start policy (``checkpoints/retail-tiny-start``) and the code that makes it
+(:mod:`sinkflex_core.start`): the folder loads as the policy its card describes, its sink estimate
+fits its layers, its card's figures are those of its measurement files; the measurement plays the
+policy with full and with sink attention and keeps a finished part when run again."""
+
+from __future__ import annotations
+
+import re
+
+import pandas as pd
+import pytest
+import torch
+
+from sinkflex_core import attention as A
+from sinkflex_core import start, train
+from sinkflex_core.models import build_model, get_tokenizer, load_policy, tiny_qwen2_config
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+SHIPPED = start.start_dir()
+needs_shipped = pytest.mark.skipif(not (SHIPPED / "model.safetensors").is_file(), reason="no shipped start here")
+
+
+@needs_shipped
+def test_shipped_start_is_small_loads_and_has_one_sink_count_per_layer():
+    size = sum(p.stat().st_size for p in SHIPPED.rglob("*") if p.is_file())
+    assert size <= 25 * 2**20, f"the start folder holds {size / 2**20:.1f} MiB"
+    model = load_policy(SHIPPED)
+    assert A.attention_settings(model) is None  # trained with full attention
+    counts = A.load_layer_sinks(SHIPPED)
+    assert len(counts) == model.config.num_hidden_layers and all(1 <= c <= 16 for c in counts)
+    A.apply(model, **start.sink_settings(SHIPPED))
+    assert [A._layer_settings(m)[0] for m in A._attention_modules(model)] == counts
+
+
+@needs_shipped
+def test_shipped_card_states_the_measured_rewards_and_the_weights_digest():
+    card = (SHIPPED / "README.md").read_text()
+    assert f"`{train.policy_digest(SHIPPED)}`" in card
+    tests = pd.read_csv(SHIPPED / "test_rewards.csv", dtype={"policy_digest": str})
+    assert set(tests["policy_digest"]) == {train.policy_digest(SHIPPED)}
+    labels = list(dict.fromkeys(tests["attention"]))
+    assert labels[0] == "saved" and labels[1].startswith("sinkflex(") and len(labels) == 2
+    stated = [float(x) for x in re.findall(r"Test reward with [^:]+: \*\*([0-9.]+)\*\*", card)]
+    for label, value in zip(labels, stated, strict=True):
+        t = tests[tests["attention"] == label]
+        assert t["task"].nunique() == train.count_tasks("sinkflex/Retail-v0", "test")
+        assert value == pytest.approx(t["successes"].sum() / t["tries"].sum(), abs=5e-4)
+    assert start.card_text(SHIPPED) == card  # the card is what --card-only writes from these files
+
+
+@pytest.fixture(scope="module")
+def random_start(tmp_path_factory):
+    """A random tiny policy saved as a start folder would be (no SFT: the measurement is under test)."""
+    folder = tmp_path_factory.mktemp("start")
+    tok = get_tokenizer()
+    model = build_model(tiny_qwen2_config(len(tok), hidden_size=64, num_layers=2, tokenizer=tok), seed=3)
+    model.config._attn_implementation = "sdpa"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_sink_estimate_of_a_start_has_one_count_per_layer(random_start, monkeypatch):
+    ids = torch.randint(3, 500, (2, 96), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(start, "calibration_ids", lambda folder: ids)
+    path = start.estimate_sinks(random_start)
+    counts = A.load_layer_sinks(path)
+    assert len(counts) == 2 and all(c >= 1 for c in counts)
+
+
+def test_measure_plays_full_and_sink_attention_and_reuses_finished_parts(random_start, monkeypatch):
+    A.save_layer_sinks(A.SinkEstimate(mass=[[0.5], [0.5]], n_sink=[1, 3], threshold=0.05, min_sinks=1,
+                                      max_sinks=16, query_start=16, num_sequences=1, sequence_length=32),
+                       random_start)
+    calls = []
+    real = train.success_table
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("sinks"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train, "success_table", counted)
+    monkeypatch.setattr(train.evaluate, "success_table", counted)
+    start.measure(random_start, test_samples=1, screen_samples=1, progress=False, test_tasks=2, screen_tasks=2)
+    tests = pd.read_csv(random_start / "test_rewards.csv")
+    assert list(dict.fromkeys(tests["attention"])) == [
+        "saved", "sinkflex(layer_sinks=[1,3],learn_sinks=True,n_sink=4,window=256)"]
+    screen = pd.read_csv(random_start / "train_screen.csv")
+    assert len(screen) == 2 and set(screen["attention"]) == {tests["attention"].iloc[-1]}
+    assert [c is None for c in calls] == [True, False, False]
+    # run again: both test parts and the screen are kept
+    start.measure(random_start, test_samples=1, screen_samples=1, progress=False, test_tasks=2, screen_tasks=2)
+    assert len(calls) == 3
+    # one part cut off: only that one is played again
+    tests[tests["attention"] == "saved"].to_csv(random_start / "test_rewards.csv", index=False)
+    start.measure(random_start, test_samples=1, screen_samples=1, progress=False, test_tasks=2, screen_tasks=2)
+    assert len(calls) == 4 and calls[-1] is not None
