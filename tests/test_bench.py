@@ -195,7 +195,10 @@ def test_paper_table_reads_the_recorded_measurements(tmp_path):
     assert table.loc["retail mean reward at the start of GRPO training", "ours"] == "0.15 reward"
     assert table.loc["retail mean reward at the end of GRPO training", "ours"] == "0.40 reward"
     gain = table.loc["retail reward gained during GRPO training (end - start)"]
-    assert gain["ours"] == "+0.25 reward" and gain["gap"].startswith("+0.06") and gain["from"] == "reward_curve.csv"
+    assert gain["ours"] == "+0.25 reward" and gain["from"] == "reward_curve.csv"
+    # a tiny CPU policy's reward beside the paper's 7B model's: side by side, no gap or percentage
+    assert gain["gap"] == "not compared: other model scale"
+    assert table.loc["retail mean reward at the start of GRPO training", "gap"] == "not compared: other model scale"
 
 
 def test_readme_results_block_matches_the_data(tmp_path, capsys):

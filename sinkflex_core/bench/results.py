@@ -122,7 +122,8 @@ def paper_vs_ours(folder: Path | None = None):
 
     A claim whose ``match_column`` is ``ratio:A/B`` is the relative change from claim A's
     measurement to claim B's (in %), and one with ``diff:A/B`` the difference B - A, both computed
-    from our two numbers."""
+    from our two numbers. A claim with ``compare`` = ``no`` (a result of another model scale than the
+    paper's) gets no gap: the two numbers stand side by side."""
     import pandas as pd
 
     from ..paths import data_dir
@@ -160,6 +161,13 @@ def paper_vs_ours(folder: Path | None = None):
             if isinstance(value, str):
                 row["ours"] = value
                 row["gap"] = "same outcome" if (value == "OOM") == paper_oom else "differs: paper OOM, ours fits"
+            elif str(c.get("compare", "yes")).strip().lower() == "no":
+                # e.g. a 1.6M-parameter policy trained on a CPU beside the paper's 7B model: the numbers
+                # stand side by side, and a difference or a percentage between them would mean nothing
+                our_unit = str(c.get("our_unit", "") or "")
+                sign = "+" if kind == "diff" else ""
+                row["ours"] = f"{value:{sign}.2f} {our_unit if our_unit != 'nan' else ''}".strip()
+                row["gap"] = "not compared: other model scale"
             else:
                 our_unit = str(c.get("our_unit", "") or "")
                 sign = "+" if kind == "diff" else ""
