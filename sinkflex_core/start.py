@@ -3,7 +3,7 @@
 The paper starts GRPO from an instruct checkpoint (Qwen2.5-7B-Instruct). Nothing here downloads
 weights, so the repository ships its own start: a tiny Qwen2 trained on the retail oracle's episodes
 by the SFT recipe of :mod:`sinkflex_core.sft` (two stages: :class:`~sinkflex_core.sft.SFTConfig`'s
-defaults, then :data:`~sinkflex_core.sft.IDENTITY_STAGE`), in ``checkpoints/retail-tiny-start/``
+defaults, then :data:`~sinkflex_core.sft.IDENTITY_STAGE`), in ``data/retail-tiny-start/``
 with what GRPO needs beside the weights:
 
 - ``sinkflex_sinks.json``: the per-layer sink counts estimated from this policy
@@ -18,7 +18,7 @@ with what GRPO needs beside the weights:
 
 Regenerate it (about 90 minutes on 2 cores; each finished part is reused when run again)::
 
-    python -m sinkflex_core.start                    # -> checkpoints/retail-tiny-start
+    python -m sinkflex_core.start                    # -> data/retail-tiny-start
     python -m sinkflex_core.start --card-only        # rewrite README.md from the files in the folder
 """
 
@@ -34,14 +34,14 @@ from pathlib import Path
 from .paths import repo_root
 
 #: Where the shipped start lives, relative to the repository's root.
-START_SUBDIR = Path("checkpoints") / "retail-tiny-start"
+START_SUBDIR = Path("data") / "retail-tiny-start"
 #: The files of a saved policy that travel with the start (the rest of an SFT folder stays behind).
 POLICY_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                 "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def start_dir() -> Path:
-    """``checkpoints/retail-tiny-start`` in this repository: the policy GRPO's ``tiny-cpu`` preset starts from."""
+    """``data/retail-tiny-start`` in this repository: the policy GRPO's ``tiny-cpu`` preset starts from."""
     return repo_root() / START_SUBDIR
 
 
@@ -259,7 +259,7 @@ def write_card(out: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sinkflex_core.start", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=None, help="where the start goes (default: checkpoints/retail-tiny-start)")
+    p.add_argument("--out", default=None, help="where the start goes (default: data/retail-tiny-start)")
     p.add_argument("--work-dir", default="runs/start", help="where the SFT stages train (reused when run again)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--test-samples", type=int, default=8, help="episodes per test task")

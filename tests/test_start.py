@@ -1,4 +1,4 @@
-"""The shipped start policy (``checkpoints/retail-tiny-start``) and the code that makes it
+"""The shipped start policy (``data/retail-tiny-start``) and the code that makes it
 (:mod:`sinkflex_core.start`): the folder loads as the policy its card describes, its sink estimate
 fits its layers, its card's figures are those of its measurement files; the measurement plays the
 policy with full and with sink attention and keeps a finished part when run again."""
