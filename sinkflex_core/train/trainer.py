@@ -38,6 +38,8 @@ import torch
 import torch.nn as nn
 
 from .. import grpo
+from .async_rollouts import AsyncRollouts
+from .async_rollouts import step_metrics as async_step_metrics
 from .checkpoint import (
     latest_checkpoint,
     list_checkpoints,
@@ -121,6 +123,7 @@ class Trainer:
                               tensorboard_dir=self.out_dir / "tb" if cfg.tensorboard else None)
         self._t_start = time.perf_counter()
         self._elapsed_before = 0.0
+        self.async_rollouts = AsyncRollouts(self) if cfg.async_rollouts else None
 
     # -- rollouts ---------------------------------------------------------------------------------
     def _generation_model(self) -> nn.Module:
@@ -192,16 +195,20 @@ class Trainer:
         """Sample, score and learn from one batch of tasks; returns this step's metrics."""
         step = self.step_idx + 1
         t0 = time.perf_counter()
-        rows = self._collect_step(step)
+        rows = self._collect_step(step) if self.async_rollouts is None else self.async_rollouts.next_rows(step)
         t_roll = time.perf_counter() - t0
         advantages, train_rows = self._advantages(rows)
+        if self.cfg.tis_cap > 0:  # the sampler's log-probs, before old_logprobs=recompute replaces them
+            rows["behaviour_logprobs"] = rows["old_logprobs"].clone()
         ref, gap = self._frozen_terms(rows, train_rows)
         acc = grpo_update(self.policy, self.optimizer, self.scheduler, rows, advantages, train_rows, ref,
                           self.cfg, self.dist)
         self._sync_rollout_weights()
+        if self.async_rollouts is not None:
+            self.async_rollouts.publish(step)  # the weights after `step` updates
         t_upd = time.perf_counter() - t0 - t_roll
         row = {"step": step, **self._step_metrics(rows, train_rows, acc, gap), "rollout_s": t_roll,
-               "update_s": t_upd}
+               "update_s": t_upd, **async_step_metrics(self, acc)}
         self.step_idx = step
         return row
 
@@ -408,6 +415,8 @@ class Trainer:
         """Train until ``total_steps`` (or ``max_steps`` more steps); returns the rows logged."""
         resumed = self.try_resume()  # first: a refused resume leaves the folder's config.json as it was
         self._save_run_info()
+        if self.async_rollouts is not None:  # the worker starts while the first evaluation runs
+            self.async_rollouts.start()
         bar = None
         if self.dist.main and self.cfg.progress:
             from tqdm import tqdm
@@ -454,6 +463,8 @@ class Trainer:
             if bar is not None:
                 bar.close()
             self.log.close()
+            if self.async_rollouts is not None:
+                self.async_rollouts.close()
         return self.history
 
     def export_policy(self, path: str | os.PathLike | None = None) -> Path:
