@@ -69,6 +69,8 @@ class Trainer:
         if cfg.tasks_per_step % d.world:
             raise ConfigError(f"tasks_per_step ({cfg.tasks_per_step}) must be a multiple of the number of "
                               f"processes ({d.world})")
+        # before any model is built: refuses what it cannot run (torchrun); starts no process yet
+        self.async_rollouts = AsyncRollouts(self) if cfg.async_rollouts else None
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         random.seed(cfg.seed)
@@ -123,7 +125,6 @@ class Trainer:
                               tensorboard_dir=self.out_dir / "tb" if cfg.tensorboard else None)
         self._t_start = time.perf_counter()
         self._elapsed_before = 0.0
-        self.async_rollouts = AsyncRollouts(self) if cfg.async_rollouts else None
 
     # -- rollouts ---------------------------------------------------------------------------------
     def _generation_model(self) -> nn.Module:
