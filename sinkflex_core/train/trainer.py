@@ -15,6 +15,9 @@ and :meth:`Trainer.run` adds the evaluations (every ``eval_every`` steps: held-o
 and pass^k), the atomic checkpoints (every ``save_every`` steps) and, at the end, the policy as a
 Hugging Face folder, ``out_dir/policy``.
 
+With ``async_rollouts`` the collect phase reads groups that a worker process sampled while the
+previous updates ran (:mod:`sinkflex_core.train.async_rollouts`).
+
 Distributed: the trained model is wrapped with FSDP2 (``fully_shard`` on every decoder layer and the
 root). Every rank samples the rollouts of its own share of the tasks with an unsharded copy of the
 policy (the role vLLM plays on GPUs), refreshed from the sharded weights after every update. Losses are
