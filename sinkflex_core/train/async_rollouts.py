@@ -168,10 +168,12 @@ class AsyncRollouts:
         if self.proc is None:
             return
         if self.proc.is_alive():
+            # What the worker is sampling now would be thrown away: a short wait for a clean exit, then
+            # SIGTERM (a run that stops early need not wait for a rollout of a step it will not train).
             self.requests.put(("stop",))
-            self.proc.join(timeout=30)
+            self.proc.join(timeout=2)
             if self.proc.is_alive():
-                self.proc.kill()
+                self.proc.terminate()
                 self.proc.join(timeout=10)
         for q in (self.requests, self.weights, self.results):
             q.cancel_join_thread()
