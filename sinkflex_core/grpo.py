@@ -16,6 +16,10 @@ Sources of the formulas:
 - No std normalisation, constant length normaliser: Liu et al. 2025, "Understanding R1-Zero-Like
   Training" (Dr. GRPO, arXiv:2503.20783).
 - KL estimators k1, k2, k3: J. Schulman, "Approximating KL Divergence" (2020, blog note).
+- Behaviour-policy weight with truncated importance sampling (TIS): F. Yao, L. Liu et al. 2025, "Your
+  Efficient RL Framework Secretly Brings You Off-Policy RL Training" (blog note; verl's
+  ``tis_imp_ratio_cap``, cap 2 in their runs); the proximal / behaviour split of the ratio is the
+  decoupled PPO objective of Fu et al. 2025, "AReaL" (arXiv:2505.24298).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ __all__ = [
     "GRPOLossConfig",
     "PolicyLossOutput",
     "aggregate_loss",
+    "behaviour_weights",
     "causal_token_logprobs",
     "group_advantages",
     "grpo_loss",
@@ -222,6 +227,38 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3", max
     raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")
 
 
+def behaviour_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, cap: float = 0.0,
+                      max_log_ratio: float = 20.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token importance weight of the proximal ("old") policy against the behaviour policy that
+    actually sampled the tokens, optionally truncated (TIS; Yao et al. 2025; AReaL's decoupled PPO).
+
+    When the sampler is not the learner's old policy (an older version of the weights in an
+    asynchronous run, or another engine such as vLLM), the PPO ratio ``pi / pi_old`` with ``pi_old``
+    recomputed by the learner is only half of the importance ratio ``pi / mu`` against the behaviour
+    policy ``mu``. The other half multiplies each token's loss:
+
+    ``w = exp(clamp(old_logp - behaviour_logp, -max_log_ratio, max_log_ratio))``, and with
+    ``cap = C > 0``: ``w = min(w, C)`` (truncated importance sampling: bounded variance, a bias only on
+    the tokens the learner likes much more than the sampler did). ``cap = 0`` (or ``inf``) leaves it
+    untruncated. ``w`` carries no gradient (both inputs are fixed for the update).
+
+    Args:
+        old_logp: (B, L) log-probs of the sampled tokens under the proximal policy (the learner's
+            weights before this update).
+        behaviour_logp: (B, L) the log-probs recorded when sampling.
+        cap: C, the truncation constant; >= 0.
+    Returns:
+        ``(weights, truncated)``: (B, L) float weights and (B, L) bool, True where ``min`` took ``C``.
+    """
+    _check_same_shape(old_logp=old_logp, behaviour_logp=behaviour_logp)
+    if not cap >= 0:  # also refuses NaN
+        raise ValueError(f"cap must be >= 0 (0: no truncation), got {cap}")
+    with torch.no_grad():
+        w = torch.exp((old_logp - behaviour_logp).clamp(-max_log_ratio, max_log_ratio))
+        truncated = w > cap if cap > 0 else torch.zeros_like(w, dtype=torch.bool)
+        return torch.where(truncated, torch.full_like(w, cap), w), truncated
+
+
 # --------------------------------------------------------------------------------------------------
 # Aggregation
 
@@ -302,13 +339,15 @@ class GRPOLossConfig:
     entropy_coef: float = 0.0
     agg_mode: str = "token-mean"
     max_log_ratio: float = 20.0
+    tis_cap: float = 0.0
 
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
               loss_mask: torch.Tensor, ref_logp: torch.Tensor | None = None,
               entropy: torch.Tensor | None = None, config: GRPOLossConfig | None = None,
               num_tokens: int | None = None, num_seqs: int | None = None,
-              norm_length: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+              norm_length: int | None = None,
+              behaviour_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """One micro-batch's GRPO loss: clipped policy loss + ``kl_coef`` * KL(pi || pi_ref)
     - ``entropy_coef`` * entropy, each aggregated over the masked tokens with the same mode.
 
@@ -316,6 +355,9 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         logp, old_logp, loss_mask: (B, L). advantages: (B,) or (B, L). ref_logp: (B, L) or None (then
         no KL term, whatever ``kl_coef``). entropy: (B, L) or None (only for the metric and the bonus).
         num_tokens, num_seqs, norm_length: see :func:`aggregate_loss`.
+        behaviour_logp: (B, L) or None: the sampling log-probs when ``old_logp`` is the learner's own;
+            each token's policy loss is then weighted by :func:`behaviour_weights` (truncated at
+            ``config.tis_cap`` when > 0), and the metrics get ``tis_clip_frac`` and ``tis_weight_mean``.
     Returns:
         ``(loss, metrics)``: the scalar loss and a dict of floats for this micro-batch (pg_loss, kl,
         clip fractions, approximate KL to the old policy, entropy, ratio and advantage statistics).
@@ -326,9 +368,15 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     agg = dict(mode=cfg.agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
     pl = policy_loss(logp, old_logp, advantages, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
                      cfg.max_log_ratio)
+    metrics: dict[str, float] = {}
+    if behaviour_logp is not None:
+        w, truncated = behaviour_weights(old_logp, behaviour_logp, cfg.tis_cap, cfg.max_log_ratio)
+        pl.loss = pl.loss * w
+        mf = (loss_mask != 0).to(w.dtype)
+        metrics["tis_clip_frac"] = float(masked_mean(truncated.to(w.dtype), mf))
+        metrics["tis_weight_mean"] = float(masked_mean(w, mf))
     pg = aggregate_loss(pl.loss, loss_mask, **agg)
     loss = pg
-    metrics: dict[str, float] = {}
     if ref_logp is not None and cfg.kl_coef != 0:
         kl = aggregate_loss(kl_penalty(logp, ref_logp, cfg.kl_kind, cfg.max_log_ratio), loss_mask, **agg)
         loss = loss + cfg.kl_coef * kl

@@ -12,6 +12,7 @@ from sinkflex_core.grpo import (
     AGG_MODES,
     GRPOLossConfig,
     aggregate_loss,
+    behaviour_weights,
     causal_token_logprobs,
     group_advantages,
     grpo_loss,
@@ -437,3 +438,35 @@ def test_rows_with_signal_are_those_of_groups_whose_rewards_differ():
     assert rows_with_signal(rewards, groups).tolist() == [True, True, False, False, True, True, True, False, False]
     # Here every row of those groups has a nonzero advantage, and every other row advantage 0.
     assert torch.equal(rows_with_signal(rewards, groups), group_advantages(rewards, groups) != 0)
+
+
+def test_behaviour_weights_and_truncation_by_hand():
+    """pi_old / mu = 0.5 / 0.25, 0.2 / 0.4, 0.9 / 0.1 = 2, 0.5, 9; capped at 3: 2, 0.5, 3."""
+    old = torch.tensor([[0.5, 0.2, 0.9]], dtype=f64).log()
+    mu = torch.tensor([[0.25, 0.4, 0.1]], dtype=f64).log()
+    w, cut = behaviour_weights(old, mu, cap=3.0)
+    assert torch.allclose(w, torch.tensor([[2.0, 0.5, 3.0]], dtype=f64))
+    assert cut.tolist() == [[False, False, True]]
+    w0, cut0 = behaviour_weights(old, mu)  # cap 0: not truncated
+    assert torch.allclose(w0, torch.tensor([[2.0, 0.5, 9.0]], dtype=f64)) and not cut0.any()
+    with pytest.raises(ValueError, match="cap must be >= 0"):
+        behaviour_weights(old, mu, cap=-1.0)
+    with pytest.raises(ValueError, match="shapes must match"):
+        behaviour_weights(old, mu[:, :2])
+
+
+def test_grpo_loss_weights_each_token_by_the_truncated_behaviour_ratio():
+    """With logp = old_logp (PPO ratio 1) and A = 1 the token-mean loss is -mean(w) over the mask, and
+    the gradient of token t is -w_t / n: the weight scales each token's policy gradient."""
+    old = torch.tensor([[0.5, 0.2, 0.9]], dtype=f64).log()
+    mu = torch.tensor([[0.25, 0.4, 0.1]], dtype=f64).log()
+    mask = torch.tensor([[0.0, 1.0, 1.0]], dtype=f64)  # the first token is the prompt's
+    logp = old.clone().requires_grad_(True)
+    cfg = GRPOLossConfig(kl_coef=0.0, tis_cap=3.0)
+    loss, m = grpo_loss(logp, old, torch.tensor([1.0], dtype=f64), mask, config=cfg, behaviour_logp=mu)
+    assert loss.item() == pytest.approx(-(0.5 + 3.0) / 2)
+    assert m["tis_clip_frac"] == pytest.approx(0.5) and m["tis_weight_mean"] == pytest.approx(1.75)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[0.0, -0.25, -1.5]], dtype=f64))
+    plain, m_plain = grpo_loss(old.clone(), old, torch.tensor([1.0], dtype=f64), mask, config=cfg)
+    assert plain.item() == pytest.approx(-1.0) and "tis_clip_frac" not in m_plain

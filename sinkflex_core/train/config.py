@@ -87,6 +87,11 @@ class TrainConfig:
     vllm_full_attention: bool = option(False, "let vLLM sample a sink-attention policy with full attention "
                                               "(off-policy by construction; the ratio corrects it, the "
                                               "logp_gap_rollout metric measures it)")
+    async_rollouts: bool = option(False, "sample in a separate worker process while the learner updates "
+                                         "(train.async_rollouts); the policy the groups were sampled with is "
+                                         "up to max_staleness updates old")
+    max_staleness: int = option(1, "async_rollouts: how many updates old a group may be (k); older ones are "
+                                   "dropped and resampled; 0 = no overlap (the synchronous schedule)")
 
     # -- batch and schedule --
     tasks_per_step: int = option(8, "tasks per step (over all processes)")
@@ -120,6 +125,9 @@ class TrainConfig:
     drop_uniform_groups: bool = option(False, "True: groups whose rewards are all equal (advantage 0) are left "
                                               "out of the update (no forward, backward or KL for them; the "
                                               "entropy, clip and ratio metrics then cover the rest only)")
+    tis_cap: float = option(0.0, "> 0: weight each token's loss by min(pi_old / pi_sampler, tis_cap) (truncated "
+                                 "importance sampling, grpo.behaviour_weights; 2 is usual); needs "
+                                 "old_logprobs=recompute; 0 = off")
 
     # -- evaluation --
     eval_every: int = option(4, "steps; 0 = only before the first and after the last step")
@@ -212,6 +220,14 @@ class TrainConfig:
         need(bool(self.out_dir), "out_dir must not be empty")
         if self.attention == "sinkflex":
             need(self.window >= 1, f"window must be >= 1, got {self.window}")
+        need(isinstance(self.max_staleness, int) and self.max_staleness >= 0,
+             f"max_staleness must be an integer >= 0, got {self.max_staleness!r}")
+        need(self.tis_cap >= 0, f"tis_cap must be >= 0 (0 = off), got {self.tis_cap}")
+        need(self.tis_cap == 0 or self.old_logprobs == "recompute",
+             "tis_cap weights the loss by pi_old / pi_sampler, which is 1 when the old log-probs are the "
+             "sampler's: set old_logprobs=recompute with it")
+        need(not (self.async_rollouts and self.rollout_backend == "vllm"),
+             "async_rollouts runs its worker with the HF backend only so far: use rollout_backend=hf")
 
     def total_steps(self, num_train_tasks: int) -> int:
         """``steps`` if set, else enough steps for ``epochs`` passes over the training tasks."""

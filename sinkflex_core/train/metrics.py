@@ -16,6 +16,10 @@ METRIC_COLUMNS = [
     "rollout_s", "update_s", "eval_s", "step_s", "elapsed_s",
 ]
 TIMING_COLUMNS = ("rollout_s", "update_s", "eval_s", "step_s", "elapsed_s")
+# async_rollouts and tis_cap (train.async_rollouts); empty in runs without them
+METRIC_COLUMNS += ["staleness_mean", "staleness_max", "groups_dropped", "tis_clip_frac", "tis_weight_mean",
+                   "rollout_worker_s"]
+TIMING_COLUMNS += ("rollout_worker_s",)
 
 
 class MetricsLog:

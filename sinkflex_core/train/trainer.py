@@ -15,6 +15,9 @@ and :meth:`Trainer.run` adds the evaluations (every ``eval_every`` steps: held-o
 and pass^k), the atomic checkpoints (every ``save_every`` steps) and, at the end, the policy as a
 Hugging Face folder, ``out_dir/policy``.
 
+With ``async_rollouts`` the collect phase reads groups that a worker process sampled while the
+previous updates ran (:mod:`sinkflex_core.train.async_rollouts`).
+
 Distributed: the trained model is wrapped with FSDP2 (``fully_shard`` on every decoder layer and the
 root). Every rank samples the rollouts of its own share of the tasks with an unsharded copy of the
 policy (the role vLLM plays on GPUs), refreshed from the sharded weights after every update. Losses are
@@ -38,6 +41,8 @@ import torch
 import torch.nn as nn
 
 from .. import grpo
+from .async_rollouts import AsyncRollouts
+from .async_rollouts import step_metrics as async_step_metrics
 from .checkpoint import (
     latest_checkpoint,
     list_checkpoints,
@@ -67,6 +72,8 @@ class Trainer:
         if cfg.tasks_per_step % d.world:
             raise ConfigError(f"tasks_per_step ({cfg.tasks_per_step}) must be a multiple of the number of "
                               f"processes ({d.world})")
+        # before any model is built: refuses what it cannot run (torchrun); starts no process yet
+        self.async_rollouts = AsyncRollouts(self) if cfg.async_rollouts else None
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         random.seed(cfg.seed)
@@ -192,16 +199,20 @@ class Trainer:
         """Sample, score and learn from one batch of tasks; returns this step's metrics."""
         step = self.step_idx + 1
         t0 = time.perf_counter()
-        rows = self._collect_step(step)
+        rows = self._collect_step(step) if self.async_rollouts is None else self.async_rollouts.next_rows(step)
         t_roll = time.perf_counter() - t0
         advantages, train_rows = self._advantages(rows)
+        if self.cfg.tis_cap > 0:  # the sampler's log-probs, before old_logprobs=recompute replaces them
+            rows["behaviour_logprobs"] = rows["old_logprobs"].clone()
         ref, gap = self._frozen_terms(rows, train_rows)
         acc = grpo_update(self.policy, self.optimizer, self.scheduler, rows, advantages, train_rows, ref,
                           self.cfg, self.dist)
         self._sync_rollout_weights()
+        if self.async_rollouts is not None:
+            self.async_rollouts.publish(step)  # the weights after `step` updates
         t_upd = time.perf_counter() - t0 - t_roll
         row = {"step": step, **self._step_metrics(rows, train_rows, acc, gap), "rollout_s": t_roll,
-               "update_s": t_upd}
+               "update_s": t_upd, **async_step_metrics(self, acc)}
         self.step_idx = step
         return row
 
@@ -408,6 +419,8 @@ class Trainer:
         """Train until ``total_steps`` (or ``max_steps`` more steps); returns the rows logged."""
         resumed = self.try_resume()  # first: a refused resume leaves the folder's config.json as it was
         self._save_run_info()
+        if self.async_rollouts is not None:  # the worker starts while the first evaluation runs
+            self.async_rollouts.start()
         bar = None
         if self.dist.main and self.cfg.progress:
             from tqdm import tqdm
@@ -454,6 +467,8 @@ class Trainer:
             if bar is not None:
                 bar.close()
             self.log.close()
+            if self.async_rollouts is not None:
+                self.async_rollouts.close()
         return self.history
 
     def export_policy(self, path: str | os.PathLike | None = None) -> Path:

@@ -30,7 +30,7 @@ def loss_config(cfg: TrainConfig) -> grpo.GRPOLossConfig:
     """The loss settings of a run."""
     return grpo.GRPOLossConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None,
                                kl_coef=cfg.kl_coef, kl_kind=cfg.kl_kind, entropy_coef=cfg.entropy_coef,
-                               agg_mode=cfg.loss_agg)
+                               agg_mode=cfg.loss_agg, tis_cap=cfg.tis_cap)
 
 
 def lr_lambda(cfg: TrainConfig, total_updates: int):
@@ -103,6 +103,9 @@ def grpo_update(policy: TokenLogprobs, optimizer: torch.optim.Optimizer, schedul
     loss_cfg = loss_config(c)
     slot = position_in_group(rows["group_ids"])
     acc = dict.fromkeys(UPDATE_SUMS, 0.0) | {"ratio_max": 0.0, "updates": 0}
+    # tis_cap: the sampler's log-probs, kept apart when old_logprobs were recomputed (train.async_rollouts)
+    behaviour = rows.get("behaviour_logprobs") if c.tis_cap > 0 else None
+    acc |= {"tis_clip_tok": 0.0, "tis_weight_tok": 0.0}
     policy.train()
     for _epoch in range(c.ppo_epochs):
         for k in range(c.num_minibatches):
@@ -127,9 +130,11 @@ def grpo_update(policy: TokenLogprobs, optimizer: torch.optim.Optimizer, schedul
                 logp, ent = policy_logprobs(policy, sub, d.device)
                 dev = logp.device
                 ref_sub = ref_logprobs[idx, lo:lo + width].to(dev) if ref_logprobs is not None else None
+                beh_sub = behaviour[idx, lo:lo + width].to(dev).float() if behaviour is not None else None
                 loss, m = grpo.grpo_loss(logp, sub["old_logprobs"].to(dev).float(), advantages[idx].to(dev),
                                          sub["loss_mask"].to(dev), ref_logp=ref_sub, entropy=ent, config=loss_cfg,
-                                         num_tokens=n_tok, num_seqs=n_seq, norm_length=c.max_total_tokens)
+                                         num_tokens=n_tok, num_seqs=n_seq, norm_length=c.max_total_tokens,
+                                         behaviour_logp=beh_sub)
                 # FSDP averages gradients over ranks; the loss is already a global mean.
                 (loss * (d.world if real else 0.0)).backward()
                 if not real:
@@ -143,6 +148,9 @@ def grpo_update(policy: TokenLogprobs, optimizer: torch.optim.Optimizer, schedul
                 acc["ratio_tok"] += m["ratio_mean"] * t
                 acc["tokens"] += t
                 acc["ratio_max"] = max(acc["ratio_max"], m["ratio_max"])
+                if beh_sub is not None:
+                    acc["tis_clip_tok"] += m["tis_clip_frac"] * t
+                    acc["tis_weight_tok"] += m["tis_weight_mean"] * t
             grad_norm = float("nan")
             if c.grad_clip > 0:
                 grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(trainable_parameters(policy),

@@ -1,0 +1,300 @@
+"""Rollouts that overlap training: a worker process samples the next steps' groups while the learner
+updates on the current one (``TrainConfig.async_rollouts``).
+
+The learner (:class:`sinkflex_core.train.Trainer`) and the worker talk through three queues::
+
+    learner --requests--> worker    ("rollout", step, tasks, min_version): play these tasks
+    learner --weights---> worker    ("weights", version, state): the policy after `version` updates
+    worker  --results---> learner   ("batch", step, version, batches, seconds) or ("error", text)
+
+- **Tasks** come from the learner's :class:`TaskSampler`: a look-ahead copy draws the tasks of the steps
+  submitted in advance, and the learner's own sampler advances only when a step is *trained*, so the
+  checkpoint's sampler state is the record of what was consumed. A resumed run starts a fresh worker
+  (whatever was in flight is dropped with the old process) and resubmits from that state: the task
+  order is the synchronous run's, and no group is trained twice.
+- **Versions**: version v is the policy after v updates (= the step index; resumable). Step ``s`` is
+  trained at version ``s - 1`` and submitted once the learner reaches version ``s - 1 - k``
+  (``k = max_staleness``), with that version as its ``min_version``: before each rollout call the worker
+  takes the newest weights it has been sent, never older than ``min_version``. So a group is at most
+  ``k`` updates old when it is trained; one that is older anyway (the check runs on every group) is
+  dropped, counted, and its tasks resampled with the newest weights. ``k = 0`` is the synchronous
+  schedule run through the worker: the same samples as the single-process trainer.
+- **Weights**: after every update the learner sends the trainable parameters (full fine-tuning) or the
+  LoRA adapters merged into the base weights (the worker holds a plain model), cloned, so the worker never
+  sees a half-updated tensor. On GPUs the same worker would hold a vLLM engine (``update_weights`` with
+  the merged model, as :class:`sinkflex_core.rollout.VLLMBackend` does in the synchronous trainer);
+  here it runs :class:`sinkflex_core.rollout.HFBackend` on CPU.
+- **Sampling seeds** are the synchronous trainer's (a function of the run seed and the step), so what a
+  group samples depends only on its tasks, its step and the weights it was sampled with.
+
+Each trained step appends one line to ``out_dir/rollout_groups.jsonl`` (step, tasks, versions,
+staleness, dropped groups); a resumed run cuts it back to the checkpoint's step, like ``metrics.csv``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import queue
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError, TrainConfig
+
+_POLL_S = 1.0  # how often a waiting worker checks that its learner is still alive
+_WAIT_S = 1800.0  # most seconds the learner waits for one result (a stuck worker ends the run)
+
+
+def rollout_worker(cfg_dict: dict, parent_pid: int, requests, weights, results) -> None:
+    """The worker process: a plain copy of the policy with :class:`HFBackend`, serving ``requests``.
+
+    Exits on ``("stop",)``, or by itself within a second or so of its learner dying (a SIGKILLed
+    learner cannot tell it)."""
+    try:
+        from .. import rollout
+        from .data import derive_seed
+        from .policy import load_model, load_tokenizer
+
+        cfg = TrainConfig.from_dict(cfg_dict)
+        torch.set_num_threads(cfg.threads or 1)
+        tokenizer = load_tokenizer(cfg)
+        # LoRA runs send merged weights: the worker's model has no adapters.
+        model = load_model(dataclasses.replace(cfg, lora=False), tokenizer, torch.device("cpu")).eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        backend = rollout.HFBackend(model, tokenizer)
+        params = dict(model.named_parameters())
+        version = -1
+
+        def load(state: dict) -> None:
+            unknown = sorted(set(state) - set(params))
+            if unknown:
+                raise RuntimeError(f"the learner sent weights the worker's model does not have: {unknown[:5]}")
+            with torch.no_grad():
+                for name, value in state.items():
+                    params[name].copy_(value)
+
+        def newest(min_version: int) -> int:
+            """Take the newest weights sent so far, waiting for ``min_version`` if it has not come yet."""
+            got = version
+            while True:
+                try:
+                    msg = weights.get(timeout=_POLL_S) if got < min_version else weights.get_nowait()
+                except queue.Empty:
+                    if got >= min_version:
+                        return got
+                    if os.getppid() != parent_pid:
+                        raise SystemExit(0) from None
+                    continue
+                load(msg[2])
+                got = msg[1]
+
+        while True:
+            try:
+                msg = requests.get(timeout=_POLL_S)
+            except queue.Empty:
+                if os.getppid() != parent_pid:
+                    return
+                continue
+            if msg[0] == "stop":
+                return
+            _, step, tasks, min_version = msg
+            per_call = cfg.rollout_tasks_per_call or max(1, len(tasks))
+            seed = derive_seed(cfg.seed, "train", step) & 0x7FFFFFFF
+            for i in range(0, len(tasks), per_call):
+                version = newest(min_version)
+                t0 = time.perf_counter()
+                torch.manual_seed(seed)
+                rcfg = rollout_config_of(cfg, seed)
+                batch = rollout.collect_rollouts(backend, tokenizer, cfg.env_id, tasks[i:i + per_call],
+                                                 cfg.train_split, rcfg)
+                results.put(("batch", step, version, i, batch, time.perf_counter() - t0))
+    except SystemExit:
+        return
+    except BaseException:
+        results.put(("error", traceback.format_exc()))
+
+
+def rollout_config_of(cfg: TrainConfig, seed: int):
+    """The training rollouts' settings, as the synchronous trainer's ``_collect`` builds them."""
+    from .config import rollout_config
+
+    return rollout_config(cfg, seed, cfg.group_size, cfg.temperature)
+
+
+class AsyncRollouts:
+    """The learner's side of the worker (see the module docstring). ``next_rows(step)`` returns the
+    step's batch as :func:`data.concat_rollouts` rows, ``publish()`` sends the weights after an update,
+    ``close()`` stops the worker. The worker starts on the first ``next_rows``, after any resume."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.cfg = trainer.cfg
+        if trainer.dist.enabled:
+            raise ConfigError("async_rollouts runs with one process only so far (one learner, one rollout "
+                              "worker); launch without torchrun or set async_rollouts=false")
+        self.k = self.cfg.max_staleness
+        self.proc = None
+        self.log_path = Path(self.cfg.out_dir) / "rollout_groups.jsonl"
+        self.last: dict = {}
+
+    # -- process ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the worker, send it the current weights and the first steps' tasks (after any resume)."""
+        import torch.multiprocessing as mp
+
+        if self.proc is not None:
+            return
+
+        tr = self.trainer
+        ctx = mp.get_context("spawn")
+        self.requests, self.weights, self.results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=rollout_worker, name="sinkflex-rollout-worker", daemon=True,
+                                args=(self.cfg.to_dict(), os.getpid(), self.requests, self.weights, self.results))
+        self.proc.start()
+        self.ahead = copy.deepcopy(tr.sampler)  # draws the tasks of the steps submitted in advance
+        self.submitted: dict[int, list[int]] = {}
+        self.next_submit = tr.step_idx + 1
+        self.ready: dict[int, dict] = {}
+        self._cut_log(tr.step_idx)
+        self.publish()
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.is_alive():
+            # What the worker is sampling now would be thrown away: a short wait for a clean exit, then
+            # SIGTERM (a run that stops early need not wait for a rollout of a step it will not train).
+            self.requests.put(("stop",))
+            self.proc.join(timeout=2)
+            if self.proc.is_alive():
+                self.proc.terminate()
+                self.proc.join(timeout=10)
+        for q in (self.requests, self.weights, self.results):
+            q.cancel_join_thread()
+            q.close()
+        self.proc = None
+
+    # -- weights and requests -----------------------------------------------------------------------
+    @torch.no_grad()
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """What the worker needs after an update, as fresh CPU tensors: the trainable parameters, or
+        under LoRA the whole merged model (names as in the plain causal LM)."""
+        from .policy import causal_lm
+
+        lm = self.trainer.policy.lm
+        if self.cfg.lora:
+            merged = causal_lm(copy.deepcopy(lm).merge_and_unload())
+            return {n: p.detach().cpu().clone() for n, p in merged.named_parameters()}
+        return {n: p.detach().cpu().clone() for n, p in lm.named_parameters() if p.requires_grad}
+
+    def publish(self, version: int | None = None) -> None:
+        """Send the weights as ``version`` (default: the learner's, its step index), then submit the
+        steps that this version lets start (up to ``version + k + 1``)."""
+        if self.proc is None:
+            return
+        self.version = self.trainer.step_idx if version is None else version
+        self.weights.put(("weights", self.version, self.trainable_state()))
+        last = min(self.trainer.total_steps, self.version + self.k + 1)
+        while self.next_submit <= last:
+            tasks = [self.trainer.train_task_ids[i] for i in self.ahead.next_batch()]
+            self.submitted[self.next_submit] = tasks
+            self._request(self.next_submit, tasks)
+            self.next_submit += 1
+
+    def _request(self, step: int, tasks: list[int]) -> None:
+        self.requests.put(("rollout", step, tasks, self.version))
+        per_call = self.cfg.rollout_tasks_per_call or max(1, len(tasks))
+        self.ready[step] = {"calls": {}, "expect": set(range(0, len(tasks), per_call))}
+
+    # -- consuming ----------------------------------------------------------------------------------
+    def _receive(self) -> None:
+        deadline = time.monotonic() + _WAIT_S
+        while True:
+            try:
+                msg = self.results.get(timeout=_POLL_S)
+                break
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise RuntimeError(f"the rollout worker died (exit code {self.proc.exitcode})") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no rollouts from the worker in {_WAIT_S:.0f} s") from None
+        if msg[0] == "error":
+            raise RuntimeError("the rollout worker failed:\n" + msg[1])
+        _, step, version, offset, batch, seconds = msg
+        self.ready[step]["calls"][offset] = (version, batch, seconds)
+
+    def next_rows(self, step: int) -> dict:
+        """Step ``step``'s rows (as ``Trainer._collect_step`` returns them), from groups at most ``k``
+        versions old; also advances the learner's sampler past the step's tasks."""
+        from .data import concat_rollouts
+
+        tr = self.trainer
+        if self.proc is None:
+            self.start()
+        dropped, seconds = 0, 0.0
+        while True:
+            slot = self.ready[step]
+            while set(slot["calls"]) != slot["expect"]:
+                self._receive()
+            calls = [slot["calls"][o] for o in sorted(slot["calls"])]
+            stale = [c for c in calls if self.version - c[0] > self.k]
+            seconds += sum(c[2] for c in calls)
+            if not stale:
+                break
+            # Older than k (not reachable through publish()'s schedule, but checked on every group):
+            # dropped, and the same tasks resampled with the newest weights.
+            dropped += sum(len(c[1]) // self.cfg.group_size for c in stale)
+            self._request(step, self.submitted[step])
+        tasks = self.submitted.pop(step)
+        del self.ready[step]
+        expected = [tr.train_task_ids[i] for i in tr.sampler.next_batch()]
+        if expected != tasks:
+            raise RuntimeError(f"step {step}: the worker's tasks {tasks} are not the sampler's {expected}")
+        batches = [c[1] for c in calls]
+        groups = [(self.version - c[0], len(c[1]) // self.cfg.group_size) for c in calls]
+        n = sum(g for _, g in groups)
+        self.last = {"staleness_mean": sum(s * g for s, g in groups) / max(1, n),
+                     "staleness_max": max(s for s, _ in groups), "groups_dropped": dropped,
+                     "rollout_worker_s": seconds}
+        self._log({"step": step, "tasks": tasks, "versions": [c[0] for c in calls], "trained_at": self.version,
+                   "groups_dropped": dropped, "worker_pid": self.proc.pid})
+        rows = concat_rollouts(batches, pad_id=tr.tokenizer.pad_token_id or 0)
+        rows["loss_mask"] = rows["loss_mask"].float()
+        return rows
+
+    # -- the groups log -----------------------------------------------------------------------------
+    def _log(self, entry: dict) -> None:
+        if self.trainer.dist.main:
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+
+    def _cut_log(self, step: int) -> None:
+        """Keep the entries of steps <= ``step`` (those the checkpoint has trained on)."""
+        if not self.log_path.exists():
+            return
+        keep = [line for line in self.log_path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= step]
+        tmp = self.log_path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, self.log_path)
+
+
+def step_metrics(trainer, acc: dict) -> dict:
+    """The step's extra columns: staleness of the groups trained on (async) and the share of policy
+    tokens whose behaviour weight was truncated (``tis_cap``), summed over ranks."""
+    out: dict = {}
+    ar = getattr(trainer, "async_rollouts", None)
+    if ar is not None:
+        out.update(ar.last)
+    if trainer.cfg.tis_cap > 0:
+        s = trainer.dist.reduce({"clip": acc.get("tis_clip_tok", 0.0), "w": acc.get("tis_weight_tok", 0.0),
+                                 "tokens": acc["tokens"]})
+        if s["tokens"]:
+            out.update(tis_clip_frac=s["clip"] / s["tokens"], tis_weight_mean=s["w"] / s["tokens"])
+    return out

@@ -1,0 +1,171 @@
+"""Rollouts that overlap training (train.async_rollouts), with a real worker process: with no overlap
+allowed (k = 0) it trains exactly what the single-process trainer trains; groups older than k are
+dropped and resampled; a run killed with SIGKILL resumes with a fresh worker that refills the queue from
+the checkpoint, so no group is trained twice; and what it cannot run is refused with a clear error."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from sinkflex_core import train
+from sinkflex_core.train import ConfigError, TaskSampler, TrainConfig, Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# As tests/test_train_loop.py's TINY: rewards are 0 for a random policy, the entropy bonus and the KL
+# term give every step a loss and a gradient to compare.
+TINY = dict(hidden_size=64, num_layers=2, tasks_per_step=2, group_size=2, num_minibatches=2, micro_batch_size=2,
+            ppo_epochs=2, max_total_tokens=320, max_new_tokens_per_turn=12, max_turns=3, system_prompt="x",
+            include_tools=False, eval_tasks=1, eval_samples=2, kl_coef=0.04, entropy_coef=0.01, lr=1e-3,
+            threads=1, progress=False, tensorboard=False, save_every=1, eval_every=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from sinkflex_core.models import get_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    get_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def _cfg(tokenizer_dir: str, out: Path, **kw) -> TrainConfig:
+    return TrainConfig.from_dict({**TINY, "tokenizer": tokenizer_dir, "out_dir": str(out), **kw})
+
+
+def _groups(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "rollout_groups.jsonl").read_text().splitlines()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a dead child of this process stays a zombie until reaped
+    state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}/stat").exists() else "Z"
+    return state != "Z"
+
+
+def _tasks_in_order(cfg: TrainConfig, steps: int) -> list[list[int]]:
+    """The tasks of the first ``steps`` steps, as the synchronous trainer draws them (all train tasks)."""
+    sampler = TaskSampler(train.count_tasks(cfg.env_id, cfg.train_split), cfg.tasks_per_step, cfg.seed)
+    return [sampler.next_batch() for _ in range(steps)]
+
+
+@pytest.mark.slow
+def test_no_overlap_through_the_worker_is_the_synchronous_run(tokenizer_dir, tmp_path):
+    """k = 0: every step waits for rollouts sampled with the newest weights, as the single-process trainer
+    does, so the worker must give the same samples and the run the same metrics and weights, bit for bit.
+    The synchronous default starts no process at all."""
+    sync = Trainer(_cfg(tokenizer_dir, tmp_path / "sync", steps=2))
+    assert sync.async_rollouts is None
+    sync.run()
+    assert not multiprocessing.active_children() and not (tmp_path / "sync" / "rollout_groups.jsonl").exists()
+
+    worker = Trainer(_cfg(tokenizer_dir, tmp_path / "k0", steps=2, async_rollouts=True, max_staleness=0))
+    worker.run()
+    assert worker.async_rollouts.proc is None and not multiprocessing.active_children()  # stopped at the end
+
+    a, b = pd.read_csv(tmp_path / "sync" / "metrics.csv"), pd.read_csv(tmp_path / "k0" / "metrics.csv")
+    compared = ["reward_mean", "loss", "pg_loss", "kl", "entropy", "ratio_mean", "ratio_max", "grad_norm",
+                "tokens_policy", "tokens_total", "turns_mean", "eval_reward"]
+    pd.testing.assert_frame_equal(a[compared], b[compared], check_exact=True)
+    assert (b["tokens_policy"].iloc[1:] > 0).all() and b["loss"].iloc[1:].abs().gt(0).all()
+    assert b["staleness_max"].iloc[1:].tolist() == [0, 0] and b["groups_dropped"].iloc[1:].tolist() == [0, 0]
+    assert a["staleness_max"].isna().all()  # the synchronous run has no such column filled
+    ours = dict(worker.policy.named_parameters())
+    assert all(torch.equal(p, ours[n]) for n, p in sync.policy.named_parameters())
+    groups = _groups(tmp_path / "k0")
+    assert [g["tasks"] for g in groups] == _tasks_in_order(sync.cfg, 2)
+    assert [g["versions"] for g in groups] == [[0], [1]] and [g["trained_at"] for g in groups] == [0, 1]
+
+
+@pytest.mark.slow
+def test_groups_older_than_k_are_dropped_and_resampled(tokenizer_dir, tmp_path):
+    """Step 1's groups arrive sampled with version 0; the learner then announces version 3 (as if three
+    updates had happened meanwhile), so with k = 1 they are 3 versions old: dropped, counted, and the same
+    tasks sampled again with the newest weights."""
+    trainer = Trainer(_cfg(tokenizer_dir, tmp_path / "run", steps=2, async_rollouts=True, max_staleness=1,
+                           old_logprobs="recompute", tis_cap=2.0))
+    ar = trainer.async_rollouts
+    try:
+        ar.start()
+        while set(ar.ready[1]["calls"]) != ar.ready[1]["expect"]:
+            ar._receive()
+        assert [c[0] for c in ar.ready[1]["calls"].values()] == [0]
+        ar.publish(3)
+        row = trainer.step()
+    finally:
+        ar.close()
+    assert row["groups_dropped"] == 2 and row["staleness_max"] == 0  # both groups of the step, then fresh ones
+    (entry,) = _groups(tmp_path / "run")
+    assert entry["versions"] == [3] and entry["groups_dropped"] == 2
+    assert entry["tasks"] == _tasks_in_order(trainer.cfg, 1)[0]
+    assert 0 <= row["tis_clip_frac"] <= 1 and row["tis_weight_mean"] > 0 and row["logp_gap_rollout"] is not None
+    assert not _alive(entry["worker_pid"])
+
+
+def _run_script(args: list, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(Path(__file__).with_name("interrupted_trainer.py")), *map(str, args)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_update_resumes_with_a_fresh_worker_and_trains_no_group_twice(tokenizer_dir, tmp_path):
+    """k = 1: step 2 was sampled with version 0 while step 1 updated. SIGKILL in step 2's update: the
+    checkpoint is step 1's. The restarted run's worker starts from step 1's weights and samples step 2
+    again (version 1, not the killed run's 0); each step's tasks are the sampler's, each trained once,
+    and the killed run's worker has gone by itself."""
+    out = tmp_path / "cut"
+    config = tmp_path / "cut.json"
+    config.write_text(json.dumps(_cfg(tokenizer_dir, out, steps=2, async_rollouts=True, max_staleness=1).to_dict()))
+    proc = _run_script([config, "update", 2])
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert train.latest_checkpoint(out / "checkpoints").name == "step_00000001"
+    killed = _groups(out)
+    assert [g["step"] for g in killed] == [1, 2]  # step 2 was logged, then killed in its update
+    deadline = time.monotonic() + 20
+    while _alive(killed[0]["worker_pid"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _alive(killed[0]["worker_pid"]), "the worker outlived its killed learner"
+
+    done = _run_script([config])
+    assert done.returncode == 0, done.stderr[-3000:]
+    groups = _groups(out)
+    assert [g["step"] for g in groups] == [1, 2]
+    assert groups[0] == killed[0] and {g["worker_pid"] for g in groups[1:]} != {killed[0]["worker_pid"]}
+    assert [g["tasks"] for g in groups] == _tasks_in_order(_cfg(tokenizer_dir, out), 2)
+    # refilled from the checkpoint: step 2 is sampled with step 1's weights, not the killed run's version 0
+    assert killed[1]["versions"] == [0] and groups[1]["versions"] == [1] and groups[1]["trained_at"] == 1
+    payload, _ = train.load_checkpoint(train.latest_checkpoint(out / "checkpoints"))
+    assert payload["trainer"]["step"] == 2
+    assert payload["trainer"]["sampler"] == {"epoch": 0, "cursor": 4, "num_tasks": len(payload["trainer"]
+                                             ["train_task_ids"]), "seed": 0}
+    df = pd.read_csv(out / "metrics.csv")
+    assert df["step"].tolist() == [0, 1, 2] and df["staleness_max"].iloc[1:].tolist() == [0, 0]
+
+
+def test_what_async_rollouts_cannot_run_is_refused(tokenizer_dir, tmp_path):
+    cfg, _ = train.config_from_argv(["--async-rollouts", "--max-staleness", "2", "--out-dir", str(tmp_path)])
+    assert cfg.async_rollouts and cfg.max_staleness == 2
+    with pytest.raises(ConfigError, match="one process only"):
+        Trainer(_cfg(tokenizer_dir, tmp_path / "d", async_rollouts=True), train.Dist(rank=0, world=2))
+    with pytest.raises(ConfigError, match="old_logprobs=recompute"):
+        _cfg(tokenizer_dir, tmp_path / "t", tis_cap=2.0)
+    with pytest.raises(ConfigError, match="max_staleness"):
+        _cfg(tokenizer_dir, tmp_path / "m", async_rollouts=True, max_staleness=-1)
+    with pytest.raises(ConfigError, match="HF backend"):
+        _cfg(tokenizer_dir, tmp_path / "v", async_rollouts=True, rollout_backend="vllm")
