@@ -26,7 +26,10 @@ class HFBackend:
     ``reuse_cache=False`` re-encodes each episode's whole history every turn (the baseline).
     ``fast_path`` (default): the cache grows in preallocated room rather than by concatenation, and
     with a model on transformers' ``"sdpa"`` attention, grouped-query attention runs without expanding
-    the cache (:mod:`sinkflex_core.rollout.hf_fast`; the same attention, within float rounding). Decoding is
+    the cache (:mod:`sinkflex_core.rollout.hf_fast`; the same attention, within float rounding), and with a
+    model on sink attention (``"sinkflex"``), each decoded token is one masked pass over a cache that
+    keeps, between turns, only each row's sinks and last ``window - 1`` keys
+    (:mod:`sinkflex_core.rollout.sink_decode`; positions come from the tokens a row has seen). Decoding is
     memory-bound on the cache, so the fast path also keeps padding out of it: once a quarter of the
     rows of a turn have stopped, they are set aside until the turn ends (the others decode on without
     them), and each turn starts from a cache whose rows hold their real tokens first, as wide as the
