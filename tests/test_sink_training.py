@@ -72,6 +72,7 @@ def test_auto_counts_are_estimated_saved_used_and_kept_on_resume(tmp_path):
     saved = json.loads(record.read_text())
     assert "estimated" in saved["source"] and len(saved["mass"]) == TINY["num_layers"]
     counts = saved["n_sink"]
+    assert all(TINY["n_sink"] <= c <= 16 for c in counts)  # n_sink is every layer's floor
     # the model the trainer updates, its reference and the one the rollouts sample from all carry them
     assert _counts(trainer.policy.lm) == _counts(trainer.ref.lm) == _counts(trainer.backend.model) == counts
     assert trainer.backend.model is trainer.policy.lm

@@ -59,8 +59,8 @@ class TrainConfig:
                                   'written by attention.save_layer_sinks, or a folder holding sinkflex_sinks.json; '
                                   '"auto": the start policy\'s own counts (its sinkflex_sinks.json or saved '
                                   'attention settings), else estimated from the start policy on expert episodes '
-                                  '(train.layer_sinks), saved as out_dir/sinkflex_sinks.json, which a resumed run '
-                                  'reads back')
+                                  '(n_sink to 16 per layer; train.layer_sinks), saved as out_dir/sinkflex_sinks.json, '
+                                  'which a resumed run reads back')
     layer_sinks_episodes: int = option(8, 'layer_sinks="auto": expert episodes the estimate reads (their first '
                                           '1,024 tokens at most)')
     gradient_checkpointing: bool = option(False, "recompute activations in the backward pass")

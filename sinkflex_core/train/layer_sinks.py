@@ -60,7 +60,8 @@ def resolve_layer_sinks(cfg: TrainConfig, model: nn.Module, tokenizer) -> list[i
 
     ``"auto"``: ``out_dir/sinkflex_sinks.json`` when resuming (a resumed run keeps its counts), else the
     start policy's own counts, else :func:`sinkflex_core.attention.estimate_layer_sinks` on
-    :func:`expert_calibration_ids`; what it chose is written to ``out_dir/sinkflex_sinks.json``."""
+    :func:`expert_calibration_ids` (at least ``n_sink`` and at most 16 per layer); what it chose is
+    written to ``out_dir/sinkflex_sinks.json``."""
     from .. import attention
 
     spec = cfg.layer_sinks
@@ -81,7 +82,9 @@ def resolve_layer_sinks(cfg: TrainConfig, model: nn.Module, tokenizer) -> list[i
         if tokenizer is None:
             raise ConfigError('layer_sinks="auto" estimates the counts on expert episodes, which needs the tokenizer')
         ids = expert_calibration_ids(cfg, tokenizer)
-        estimate = attention.estimate_layer_sinks(model, ids, max_sinks=max(16, cfg.n_sink))
+        # n_sink is every layer's floor: a start without emergent sinks keeps the usual few, and a layer
+        # that parks attention further in keeps more
+        estimate = attention.estimate_layer_sinks(model, ids, min_sinks=cfg.n_sink, max_sinks=max(16, cfg.n_sink))
         data = {**estimate.to_json(), "source": f"estimated on {cfg.model}: {ids.shape[0]} expert episodes of "
                                                 f"{cfg.env_id} ({cfg.train_split}), {ids.shape[1]} tokens each"}
     if int(os.environ.get("RANK", "0")) == 0:  # every rank computes the same counts; one writes them
