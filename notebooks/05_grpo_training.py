@@ -36,8 +36,9 @@ from sinkflex_core.paths import build_dir, data_dir, figures_dir, repo_root
 # NBVAL_CHECK_OUTPUT
 paper = train.resolve_config("paper-8xh100")
 tiny = train.resolve_config("tiny-cpu")
-keys = ["model", "lora", "attention", "rollout_backend", "lr", "tasks_per_step", "group_size", "kl_coef", "epochs",
-        "max_total_tokens", "ppo_epochs", "num_minibatches", "drop_uniform_groups", "eval_samples"]
+keys = ["model", "lora", "attention", "n_sink", "window", "layer_sinks", "rollout_backend", "lr", "tasks_per_step",
+        "group_size", "kl_coef", "epochs", "max_total_tokens", "ppo_epochs", "num_minibatches", "drop_uniform_groups",
+        "eval_samples"]
 print(pd.DataFrame({"paper-8xh100": [getattr(paper, k) for k in keys],
                     "tiny-cpu": [getattr(tiny, k) for k in keys]}, index=keys).to_string())
 try:
@@ -119,7 +120,18 @@ print(pd.Series(needs).to_string())
 # %% [markdown]
 # ## GRPO, one seed
 #
-# Each step: 8 training tasks, 8 episodes each (temperature 1, as the paper's G = 8), rewards, group advantages, two clipped updates (mini-batches), KL to the SFT policy; test tasks every few steps. A group whose 8 rewards are all equal (at the tiny policy's success rate, usually all 0) has advantage 0 everywhere and teaches nothing: the tiny-cpu preset leaves such groups out of the update (`drop_uniform_groups`; the column `trajectories_updated` counts what was kept), which took the update from 27-32 s to 6-8 s a step in the recorded runs and, with faster rollouts, gave the 12-minute budget 14-16 steps instead of 6-8. Most training tasks give no signal at all: the start solves only some kinds of task (see pass@k below). So the default run trains only on the training tasks that the start solved sometimes but not always in 4 tries each. `train.screen_or_reuse` samples these tries once per start, in about 20 minutes on 2 cores, and writes `runs/curve/train_screen.csv`. The run then passes that file as `task_screen`; `train.screened_tasks` reads it. For the recorded start, 90 of the 600 training tasks pass the screen (`data/train_screen_sft_start.csv`). This is the offline form of DAPO's dynamic sampling. DAPO drops all-equal groups after sampling them; the screen drops their tasks before. The progress bar shows the training reward and the step time; `metrics.csv` in the run folder has every per-step metric. At the end, the run saves the trained policy as a Hugging Face folder, `policy/`, beside its checkpoints. Load it with `AutoModelForCausalLM.from_pretrained`.
+# Each step: 8 training tasks, 8 episodes each (temperature 1, as the paper's G = 8), rewards, group advantages, two clipped updates (mini-batches), KL to the SFT policy; test tasks every few steps. A group whose 8 rewards are all equal (at the tiny policy's success rate, usually all 0) has advantage 0 everywhere and teaches nothing: the tiny-cpu preset leaves such groups out of the update (`drop_uniform_groups`; the column `trajectories_updated` counts what was kept), which took the update from 27-32 s to 6-8 s a step in the recorded runs and, with faster rollouts, gave the 12-minute budget 14-16 steps instead of 6-8. Most training tasks give no signal at all: the start solves only some kinds of task (see pass@k below). So the default run trains only on the training tasks that the start solved sometimes but not always in 4 tries each. `train.screen_or_reuse` samples these tries once per start, in about 20 minutes on 2 cores, and writes `runs/curve/train_screen.csv`. The run then passes that file as `task_screen`; `train.screened_tasks` reads it. For the recorded start, 90 of the 600 training tasks pass the screen (`data/train_screen_sft_start.csv`). This is the offline form of DAPO's dynamic sampling. DAPO drops all-equal groups after sampling them; the screen drops their tasks before. The progress bar shows the training reward and the step time; `metrics.csv` in the run folder has every per-step metric. At the end, the run saves the trained policy as a Hugging Face folder, `policy/`, beside its checkpoints. Load it with `models.load_policy`, which restores the attention it was trained with (plain `from_pretrained` would drop its sink settings and learned sinks).
+#
+# ### SINKFLEX in the loop
+#
+# The tiny-cpu preset trains with the paper's sink-aware attention (`attention="sinkflex"`, notebook 03), and the rollouts sample with the same attention:
+#
+# - **Sink tokens and a window.** Every query sees the first `n_sink = 4` tokens of its episode (the *sinks*) and the last `window = 256` tokens up to itself, nothing in between. Episodes run to about 1,000 tokens (2,048 at most), so most queries see far fewer keys than full attention would give them. Sinks and window count real tokens: the padding that batching puts inside a row takes no place in them.
+# - **The learned zero-value sink.** Each head gets one more logit `s`, a key with no value: its softmax can put weight on "nothing", so a head with nothing useful in its window need not dump its attention on whatever is there. Its output is the plain attention output times `sigmoid(lse - s)`. It starts at `s = -10` (outputs unchanged) and is learned with the policy (`learn_sinks`).
+# - **Per-layer sink counts.** Layers differ in how much attention they park on the first tokens, so each gets its own count: `layer_sinks="auto"` measures, on a few of the oracle's episodes, how much attention each layer of the start policy puts on each of the first 16 positions and keeps the prefix that holds every position receiving at least 5 % of it (`attention.estimate_layer_sinks`; at least `n_sink = 4` sinks, at most 16). The counts go to `sinkflex_sinks.json` in the run folder; a resumed run reads them back, and a checkpoint refuses other counts.
+# - **Rollouts.** `HFBackend` decodes one token at a time against a cache that keeps, between turns, only each episode's sinks and last `window - 1` keys: the keys no later query can see are dropped, so the cache stops growing with the episode.
+#
+# Two columns of `metrics.csv` check that the sampler and the trainer compute the same distribution. Before the first optimizer step of a step, the trainer's weights are those that sampled the rollouts, so its log-probs of the sampled tokens should equal the sampler's: `logp_gap_rollout` is the mean `|logp_sampler - logp_trainer|` over those tokens (float rounding: well under 1e-4), and `rollout_clip_frac` the share of them whose ratio `exp(logp_trainer - logp_sampler)` already lies outside the clip band `[1 - clip_low, 1 + clip_high]`. Both near 0 mean on-policy samples; a sampler with another attention (vLLM's full attention on the paper preset) shows up here first. `train.METRIC_HELP` describes every column.
 
 # %%
 if preset == "tiny-cpu":
@@ -144,12 +156,21 @@ if preset == "tiny-cpu":
     print(live[["step", "reward_mean", "loss", "kl", "entropy", "eval_reward", "eval_pass1", "eval_passk",
                 "step_s"]].round(3).to_string(index=False))
 
+# %%
+if preset == "tiny-cpu":  # the attention this run trained (and sampled) with, and the sampler/trainer gap
+    from sinkflex_core import attention
+
+    print("attention:", attention.attention_settings(train.causal_lm(trainer.policy.lm)))
+    print("sink counts:", json.loads((out_dir / attention.SINKS_FILENAME).read_text())["source"])
+    gap = pd.read_csv(out_dir / "metrics.csv")[["step", "logp_gap_rollout", "rollout_clip_frac"]].dropna()
+    print(gap.to_string(index=False, float_format=lambda v: f"{v:.2e}"))
+
 # %% [markdown]
 # ## The recorded 3-seed curve
 #
 # `benchmarks/reproduce_curve.py` ran the same recipe with seeds 0, 1 and 2 (one shared SFT start) and recorded every evaluation in `data/reward_curve.csv` with its provenance (date, commit, hardware, library versions). The figure is drawn from that file and the SFT stages' `data/reward_curve_sft.csv` by `train.reward_figure`, the same figure notebook 07 regenerates; a default-mode run of this notebook is added to it in its own colour.
 #
-# The recorded seeds trained on the 90 screened training tasks, with the tiny-cpu preset otherwise (`python benchmarks/reproduce_curve.py --sft-dir runs/curve/sft_identity --out-root runs/screened2 --set task_screen=data/train_screen_sft_start.csv`; 15 or 16 steps in each 12-minute budget, one seed after the other). Test reward went from 0.056 to 0.092 (mean of 3 seeds): +0.036 ± 0.043 (standard deviation over seeds), between +0.000 and +0.083. One evaluation is 120 episodes, so it carries noise of its own of about ±0.03. Played 16 times on each of the 60 test tasks (960 episodes each: `data/pass_at_k_screened_seed0.csv`, `..._seed1.csv`, `..._seed2.csv`), the three final policies scored 0.087, 0.143 and 0.107 (pass@1), against 0.049 for the start (`data/pass_at_k_sft_start.csv`): a gain of +0.064 ± 0.028.
+# The recorded seeds trained on the 90 screened training tasks, with the tiny-cpu preset otherwise (as it was then: stock attention, `attention="sdpa"`; the preset trains with sink attention since) (`python benchmarks/reproduce_curve.py --sft-dir runs/curve/sft_identity --out-root runs/screened2 --set task_screen=data/train_screen_sft_start.csv`; 15 or 16 steps in each 12-minute budget, one seed after the other). Test reward went from 0.056 to 0.092 (mean of 3 seeds): +0.036 ± 0.043 (standard deviation over seeds), between +0.000 and +0.083. One evaluation is 120 episodes, so it carries noise of its own of about ±0.03. Played 16 times on each of the 60 test tasks (960 episodes each: `data/pass_at_k_screened_seed0.csv`, `..._seed1.csv`, `..._seed2.csv`), the three final policies scored 0.087, 0.143 and 0.107 (pass@1), against 0.049 for the start (`data/pass_at_k_sft_start.csv`): a gain of +0.064 ± 0.028.
 #
 # What limits the gain, measured (details and commands in `docs/experiments.md`): an earlier recording under reward version 1 gained +0.089 ± 0.046, about the spread between recordings; training on all 600 tasks gained +0.019 ± 0.047 (grey in the figure); more steps, a lower learning rate or longer SFT did not raise the test reward. GRPO raises the probability of what the policy already samples now and then: the start (`data/pass_at_k_sft_start.csv`, 60 test tasks × 16) solved only 14 tasks at all, 11 of the 15 read-only tasks and the 3 plain cancellations, worth 0.30 of the test reward; every task that needs a value the customer describes in words stayed at 0. The screened runs sharpened what the start sometimes did (seed 1: pass@1 0.143, read-only tasks 137 of 240 episodes against 44) and learned nothing new. Reaching the paper's +0.19 from this start (0.049 -> 0.239) would need nearly all of the reachable tasks solved every time.
 

@@ -76,3 +76,84 @@ def test_generate_with_a_static_cache_equals_the_dynamic_cache(sink_model, padde
                                                                                                  row.shape[1])]
     assert torch.equal(static, dynamic)
     assert steps == row[0, -8:].tolist()
+
+
+@pytest.fixture(scope="module")
+def layered_model():
+    """The same kind of model with a different sink count per layer (1 and 3) and a 20-key window."""
+    cfg = tiny_qwen2_config(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    model = A.apply(build_model(cfg, seed=5), window=20, learn_sinks=True, layer_sinks=[1, 3])
+    with torch.no_grad():
+        for i, p in enumerate(A.sink_parameters(model)):
+            p.copy_(torch.linspace(-1.5, 1.5, p.numel()) - 0.5 * i)
+    return model.eval()
+
+
+def _sampled_turns(backend: HFBackend, histories: dict[int, list[int]], extra: dict[int, list[list[int]]]):
+    """Sample (temperature 1) every row over len(extra[k]) turns; returns the final histories and, per
+    row, (position, token, sampler log-prob) of every generated token."""
+    histories = {k: list(h) for k, h in histories.items()}
+    sampled = {k: [] for k in histories}
+    for turn in range(len(next(iter(extra.values())))):
+        reqs = [GenerationRequest(k, h, max_new_tokens=10, seed=100 * turn + k) for k, h in histories.items()]
+        for k, res in zip(list(histories), backend.generate(reqs, temperature=1.0)):
+            start = len(histories[k])
+            sampled[k] += [(start + j, t, lp) for j, (t, lp) in enumerate(zip(res.token_ids, res.logprobs))]
+            histories[k] += res.token_ids + extra[k][turn]
+    return histories, sampled
+
+
+def test_sampler_logprobs_equal_the_trainers_sink_attention_forward(layered_model):
+    """The rollout's log-prob of every sampled token equals the trainer's full-sequence forward with the
+    same sink attention (per-layer sinks, window, learned sinks), for rows of different lengths in one
+    batch over several turns: on the stock path and on the fast path, whose cache between turns keeps
+    only each row's sinks and last window - 1 keys (moved to the front of the row), so the mask must
+    count real tokens, not cache columns."""
+    from sinkflex_core.rollout.sink_decode import rolling_keep
+    from sinkflex_core.train import TokenLogprobs
+
+    g = torch.Generator().manual_seed(4)
+    lengths = [45, 7, 26, 13, 33]
+    histories = {k: torch.randint(20, VOCAB, (n,), generator=g).tolist() for k, n in enumerate(lengths)}
+    extra = {k: [torch.randint(20, VOCAB, (2 + 5 * k,), generator=g).tolist() for _ in range(4)] for k in histories}
+    stops = list(range(2, 20))  # ~15 % of the vocabulary ends a turn: rows stop at different times
+    runs = {}
+    for fast in (True, False):
+        backend = HFBackend(layered_model, stop_token_ids=stops, fast_path=fast)
+        runs[fast] = _sampled_turns(backend, histories, extra)
+        if fast:  # the cache did drop keys: its rows are shorter than the histories it serves
+            assert rolling_keep(layered_model) == (3, 19)
+            assert backend._select_rows(list(histories), [runs[fast][0][k] for k in histories])
+            assert backend._mask.shape[1] <= 3 + 19 < min(len(h) for h in runs[fast][0].values())
+    assert runs[True] == runs[False] or all(  # same samples (log-probs within rounding)
+        [(p, t) for p, t, _ in runs[True][1][k]] == [(p, t) for p, t, _ in runs[False][1][k]] for k in histories)
+    final, _ = runs[True]
+    width = max(len(h) for h in final.values())
+    ids = torch.zeros(len(final), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, h in enumerate(final.values()):
+        ids[i, :len(h)], mask[i, :len(h)] = torch.tensor(h), 1
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        trainer_logp, _ = TokenLogprobs(layered_model)(ids, mask, positions)
+    lengths_seen = set()
+    for fast in (True, False):
+        for i, k in enumerate(final):
+            got = torch.tensor([lp for _, _, lp in runs[fast][1][k]])
+            want = trainer_logp[i, [p for p, _, _ in runs[fast][1][k]]]
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+            lengths_seen.add(len(got))
+    assert len(lengths_seen) > 2 and width > 3 * 20  # rows differ, and histories run far past the window
+
+
+def test_per_layer_sink_counts_change_the_attention(layered_model):
+    """The check above is not vacuous: with one sink count in every layer the same weights give other
+    log-probs on sequences longer than the window."""
+    import copy
+
+    uniform = A.apply(copy.deepcopy(layered_model), n_sink=3, window=20, learn_sinks=True)
+    ids = torch.randint(20, VOCAB, (2, 60), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = layered_model(input_ids=ids).logits, uniform(input_ids=ids).logits
+    assert [m.sinkflex_n_sink for m in A._attention_modules(layered_model)] == [1, 3]
+    assert (a - b).abs().max() > 1e-3

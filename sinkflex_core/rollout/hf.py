@@ -10,6 +10,7 @@ import torch
 
 from .backend import GenerationRequest, GenerationResult, sample_tokens
 from .hf_fast import compact_rows, grouped_sdpa, growing_cache, park_rows, unpark_rows
+from .sink_decode import rolling_keep, sink_decode
 
 
 class HFBackend:
@@ -25,7 +26,10 @@ class HFBackend:
     ``reuse_cache=False`` re-encodes each episode's whole history every turn (the baseline).
     ``fast_path`` (default): the cache grows in preallocated room rather than by concatenation, and
     with a model on transformers' ``"sdpa"`` attention, grouped-query attention runs without expanding
-    the cache (:mod:`sinkflex_core.rollout.hf_fast`; the same attention, within float rounding). Decoding is
+    the cache (:mod:`sinkflex_core.rollout.hf_fast`; the same attention, within float rounding), and with a
+    model on sink attention (``"sinkflex"``), each decoded token is one masked pass over a cache that
+    keeps, between turns, only each row's sinks and last ``window - 1`` keys
+    (:mod:`sinkflex_core.rollout.sink_decode`; positions come from the tokens a row has seen). Decoding is
     memory-bound on the cache, so the fast path also keeps padding out of it: once a quarter of the
     rows of a turn have stopped, they are set aside until the turn ends (the others decode on without
     them), and each turn starts from a cache whose rows hold their real tokens first, as wide as the
@@ -62,6 +66,7 @@ class HFBackend:
         self._keys: list[Hashable] = []
         self._fed: list[list[int]] = []  # ids in the cache per row
         self._mask: torch.Tensor | None = None  # (B, C) 1 where the cache column holds a real token
+        self._seen: torch.Tensor | None = None  # (B,) tokens fed per row: the next token's position
 
     @property
     def device(self) -> torch.device:
@@ -77,10 +82,13 @@ class HFBackend:
 
                 self._cache = DynamicCache(config=self.model.config)
         past = self._mask
-        n_before = past.sum(dim=1, keepdim=True) if past is not None else torch.zeros_like(chunk[:, :1])
+        # positions from the tokens each row has seen, not from its cache columns: a sink-attention
+        # cache drops the keys no later query can see
+        n_before = self._seen[:, None] if past is not None else torch.zeros_like(chunk[:, :1])
         positions = (n_before + chunk_mask.cumsum(dim=1) - 1).clamp(min=0)
         full_mask = chunk_mask if past is None else torch.cat([past, chunk_mask], dim=1)
-        with grouped_sdpa(self.model) if self.fast_path else contextlib.nullcontext():
+        self._seen = n_before[:, 0] + chunk_mask.sum(dim=1)
+        with self._attention():
             hidden = self.model.get_decoder()(input_ids=chunk, attention_mask=full_mask, position_ids=positions,
                                               past_key_values=self._cache, use_cache=True).last_hidden_state
         last = (chunk_mask * torch.arange(chunk.shape[1], device=chunk.device)).argmax(dim=1)
@@ -88,6 +96,16 @@ class HFBackend:
         self._mask = full_mask
         self.stats["forward_calls"] += 1
         return self.model.get_output_embeddings()(h)
+
+    def _attention(self):
+        """The fast path's attention for this model while it runs (grouped SDPA, or sink attention's
+        one-token decode), or the model's own."""
+        if not self.fast_path:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(grouped_sdpa(self.model))
+        stack.enter_context(sink_decode(self.model))
+        return stack
 
     def _select_rows(self, keys: list[Hashable], prompts: list[list[int]]) -> bool:
         """Keep the cache rows of ``keys`` in that order; False if the cache cannot serve them."""
@@ -102,8 +120,9 @@ class HFBackend:
             if len(fed) >= len(p) or p[:len(fed)] != fed:
                 return False
         idx = torch.tensor(rows, device=self.device)
+        self._seen = self._seen[idx]
         if self.fast_path:
-            self._mask = compact_rows(self._cache, self._mask, idx)
+            self._mask = compact_rows(self._cache, self._mask, idx, rolling_keep(self.model))
         else:
             mask = self._mask[idx]
             keep = mask.any(dim=0).nonzero()[:, 0]
@@ -153,6 +172,7 @@ class HFBackend:
         done = [False] * B
         rows = list(range(B))  # the request of each row the cache holds now
         parked: list[tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = []
+        parked_seen: list[torch.Tensor] = []
         while True:
             tokens, logp = sample_tokens(logits.cpu(), temperature, top_p, [generators[i] for i in rows])
             for j, i in enumerate(rows):
@@ -174,6 +194,9 @@ class HFBackend:
                 # O(log B) times a turn.
                 part, self._mask = park_rows(self._cache, self._mask, finished, rows)
                 parked.append(part)
+                gone = set(finished)
+                parked_seen.append(self._seen[finished])
+                self._seen = self._seen[[j for j in range(len(rows)) if j not in gone]]
                 rows = [i for i in rows if not done[i]]
             # Feed the last sampled token of rows still going; finished rows get a hidden pad column.
             live = torch.tensor([0 if done[i] else 1 for i in rows], dtype=torch.long, device=dev)
@@ -184,6 +207,8 @@ class HFBackend:
                     self._fed[i].append(out_ids[i][-1])
             logits = self._forward(step[:, None], live[:, None])
         if parked:
+            order = torch.tensor([i for part in (rows, *(p[0] for p in parked)) for i in part])
+            self._seen = torch.cat([self._seen, *parked_seen])[torch.argsort(order)]
             self._mask = unpark_rows(self._cache, self._mask, parked, rows)
         self.stats["generated_tokens"] += sum(len(x) for x in out_ids)
         return [GenerationResult(ids, lp, s) for ids, lp, s in zip(out_ids, out_logp, stopped)]

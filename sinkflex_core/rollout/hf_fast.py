@@ -130,16 +130,23 @@ def grouped_sdpa(model):
         config._attn_implementation = stock
 
 
-def compact_rows(cache, mask: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def compact_rows(cache, mask: torch.Tensor, idx: torch.Tensor, keep: tuple[int, int] | None = None) -> torch.Tensor:
     """Keep the cache rows ``idx`` (in that order), each row's real columns moved to the front in
     order, the cache cut to the longest row; returns the new (len(idx), width) mask. Keys carry their
     rotary positions already and attention does not depend on where a key sits, so the rows attend as
     before, without the padding columns that rows that stopped early, and prefills shorter than the
-    longest, left in the middle."""
+    longest, left in the middle. ``keep=(sinks, recent)`` (sink attention,
+    :func:`sinkflex_core.rollout.sink_decode.rolling_keep`): of each row's real columns only the first
+    ``sinks`` and the last ``recent`` stay, the only ones a later query can see."""
     mask = mask[idx]
-    counts = mask.sum(dim=1)
+    real = mask.bool()
+    if keep is not None:
+        rank = real.long().cumsum(dim=1)  # 1-based rank of each real column in its row
+        total = rank[:, -1:]
+        real = real & ((rank <= keep[0]) | (rank > total - keep[1]))
+    counts = real.sum(dim=1)
     width = int(counts.max())
-    order = torch.sort((mask == 0).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    order = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices[:, :width]
     at = order[:, None, :, None]
     for layer in cache.layers:
         layer.keys = layer.keys[idx].gather(2, at.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))

@@ -62,21 +62,22 @@ from .evaluate import (
     summarize_curves,
     task_kinds,
 )
-from .metrics import METRIC_COLUMNS, TIMING_COLUMNS, MetricsLog
+from .layer_sinks import expert_calibration_ids, resolve_layer_sinks
+from .metrics import METRIC_COLUMNS, METRIC_HELP, TIMING_COLUMNS, MetricsLog
 from .policy import TokenLogprobs, causal_lm, load_model, load_tokenizer, trainable_parameters
 from .trainer import Trainer, main
 from .update import frozen_logprobs, grpo_update, loss_config, lr_lambda, micro_batches
 
 __all__ = [
-    "CURVE_COLUMNS", "COMPACT_SYSTEM_PROMPT", "METRIC_COLUMNS", "PAPER_8XH100", "PAPER_REWARD_END",
+    "CURVE_COLUMNS", "COMPACT_SYSTEM_PROMPT", "METRIC_COLUMNS", "METRIC_HELP", "PAPER_8XH100", "PAPER_REWARD_END",
     "PAPER_REWARD_START", "PRESETS", "TIMING_COLUMNS", "TINY_CPU", "ConfigError", "Dist", "MetricsLog",
     "TaskSampler", "TokenLogprobs", "TrainConfig", "Trainer", "add_config_arguments", "build_arg_parser",
     "causal_lm", "cli_value", "concat_rollouts", "config_from_argv", "count_tasks", "curve_table", "derive_seed",
-    "evaluations", "file_digest", "frozen_logprobs", "grpo_update", "init_distributed", "is_optional",
+    "evaluations", "expert_calibration_ids", "file_digest", "frozen_logprobs", "grpo_update", "init_distributed", "is_optional",
     "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_model", "load_tokenizer", "loss_config",
     "lr_lambda", "main", "micro_batches", "option", "parse_field", "parse_value", "per_task_rewards",
     "plot_reward_curves", "policy_digest", "position_in_group", "resolve_config", "reward_figure",
-    "reward_version", "rng_state",
+    "resolve_layer_sinks", "reward_version", "rng_state",
     "rollout_config", "save_checkpoint", "screen_or_reuse", "screened_tasks", "set_rng_state", "shard_model",
     "success_counts", "success_table", "summarize_curves", "task_kinds", "torchrun_command",
     "trainable_parameters", "trim_rows", "verify_checkpoint",

@@ -55,6 +55,14 @@ class TrainConfig:
     n_sink: int = option(4, "sinkflex: sink tokens kept at the start of each document")
     window: int = option(4096, "sinkflex: sliding window (keys)")
     learn_sinks: bool = option(True, "sinkflex: learn a zero-value sink logit per head")
+    layer_sinks: str = option("", 'sinkflex: per-layer sink counts. "": n_sink in every layer; a JSON file '
+                                  'written by attention.save_layer_sinks, or a folder holding sinkflex_sinks.json; '
+                                  '"auto": the start policy\'s own counts (its sinkflex_sinks.json or saved '
+                                  'attention settings), else estimated from the start policy on expert episodes '
+                                  '(n_sink to 16 per layer; train.layer_sinks), saved as out_dir/sinkflex_sinks.json, '
+                                  'which a resumed run reads back')
+    layer_sinks_episodes: int = option(8, 'layer_sinks="auto": expert episodes the estimate reads (their first '
+                                          '1,024 tokens at most)')
     gradient_checkpointing: bool = option(False, "recompute activations in the backward pass")
     lora: bool = option(False, "train LoRA adapters instead of all weights")
     lora_r: int = option(16, "LoRA rank")
@@ -175,7 +183,8 @@ class TrainConfig:
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
                  f"{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("steps", "warmup_steps", "eval_every", "save_every", "train_tasks", "eval_tasks", "threads",
-                     "logprob_chunk_size", "tile_mlp_tokens", "rollout_tasks_per_call", "n_sink"):
+                     "logprob_chunk_size", "tile_mlp_tokens", "rollout_tasks_per_call", "n_sink",
+                     "layer_sinks_episodes"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
                  f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         need(self.lr > 0 and math.isfinite(self.lr), f"lr must be a positive number, got {self.lr!r}")
@@ -295,7 +304,11 @@ PAPER_8XH100 = dict(
 # Their KL to the reference is not computed either (it still applies to every trajectory updated on).
 # The recorded reproduction also passes task_screen (screen_or_reuse: the 90 of 600 training tasks the
 # start solved sometimes); that file belongs to one start's weights, so it is not part of the preset.
-TINY_CPU = dict(preset="tiny-cpu", drop_uniform_groups=True)
+# SINKFLEX is in the loop: 4 sink tokens and a 256-key window on episodes of ~1k tokens (2,048 at most),
+# the learned zero-value sink, and per-layer sink counts read from (or estimated on) the start policy.
+# Rollouts sample with the same attention (HFBackend runs the model as it trains).
+TINY_CPU = dict(preset="tiny-cpu", drop_uniform_groups=True, attention="sinkflex", n_sink=4, window=256,
+                learn_sinks=True, layer_sinks="auto")
 
 # The training runs by name; sinkflex_core.presets lists them beside the model shape each one trains.
 PRESETS: dict[str, dict] = {"tiny-cpu": TINY_CPU, "paper-8xh100": PAPER_8XH100}
@@ -321,7 +334,7 @@ def rollout_config(cfg: TrainConfig, seed: int, group_size: int | None = None, t
 # --------------------------------------------------------------------------------------------------
 
 # Fields whose text is taken as is: a path or a name may look like a number.
-_VERBATIM = ("out_dir", "model", "tokenizer", "env_id")
+_VERBATIM = ("out_dir", "model", "tokenizer", "env_id", "layer_sinks")
 
 
 def is_optional(f: dataclasses.Field) -> bool:

@@ -11,10 +11,58 @@ from pathlib import Path
 METRIC_COLUMNS = [
     "step", "epoch", "tasks", "trajectories", "trajectories_updated", "reward_mean", "reward_std", "success_rate",
     "frac_groups_all_equal", "tokens_policy", "tokens_total", "turns_mean", "loss", "pg_loss", "kl",
-    "entropy", "clip_frac", "ratio_mean", "ratio_max", "logp_gap_rollout", "grad_norm", "lr",
+    "entropy", "clip_frac", "ratio_mean", "ratio_max", "logp_gap_rollout", "rollout_clip_frac",
+    "grad_norm", "lr",
     "eval_reward", "eval_pass1", "eval_passk", "eval_k",
     "rollout_s", "update_s", "eval_s", "step_s", "elapsed_s",
 ]
+# What each column means (the metric list; ``sinkflex train --help`` lists the config keys instead).
+METRIC_HELP = {
+    "step": "GRPO step (0: the evaluation before training)",
+    "epoch": "passes over the training tasks so far",
+    "tasks": "tasks sampled this step",
+    "trajectories": "episodes rolled out this step",
+    "trajectories_updated": "episodes the update ran on (drop_uniform_groups leaves out groups of equal rewards)",
+    "reward_mean": "mean training reward of the step's episodes",
+    "reward_std": "their standard deviation",
+    "success_rate": "share of episodes with reward 1",
+    "frac_groups_all_equal": "share of groups whose rewards are all equal (advantage 0: no signal)",
+    "tokens_policy": "tokens the policy generated (the ones the loss covers)",
+    "tokens_total": "all tokens of the step's episodes",
+    "turns_mean": "assistant turns per episode",
+    "loss": "total loss, mean over optimizer steps",
+    "pg_loss": "clipped policy-gradient loss, mean over optimizer steps",
+    "kl": "KL to the reference policy (kl_kind), mean over optimizer steps",
+    "entropy": "mean entropy of the policy's token distributions",
+    "clip_frac": "share of policy tokens whose clipped branch of the PPO loss is active, over all updates",
+    "ratio_mean": "mean ratio pi / pi_old over all updates",
+    "ratio_max": "largest ratio pi / pi_old",
+    "logp_gap_rollout": "sampler/trainer mismatch: mean |logp_sampler - logp_trainer| over the policy tokens "
+                        "the trainer scores before its first optimizer step of the step (same weights: any gap "
+                        "is the sampler computing a different distribution, e.g. another attention, cache or "
+                        "summation order)",
+    "rollout_clip_frac": "at the same tokens, the share whose ratio exp(logp_trainer - logp_sampler) is outside "
+                         "the clip band [1 - clip_low, 1 + clip_high]: tokens the first update already clips "
+                         "before learning anything",
+    "grad_norm": "gradient norm before clipping, mean over optimizer steps",
+    "lr": "learning rate after the step",
+    "eval_reward": "mean reward on the held-out tasks (evaluation steps only)",
+    "eval_pass1": "pass^1 on the held-out tasks",
+    "eval_passk": "pass^k, k = eval_k",
+    "eval_k": "samples per held-out task",
+    "rollout_s": "seconds of the step's rollouts",
+    "update_s": "seconds of its update (reference log-probs included)",
+    "eval_s": "seconds of the evaluation",
+    "step_s": "seconds of the whole step",
+    "elapsed_s": "seconds since the run started (over resumes)",
+    # async_rollouts and tis_cap (train.async_rollouts, docs/async_rollouts.md); empty in runs without them
+    "staleness_mean": "updates between the weights a group was sampled with and those it was trained at, mean",
+    "staleness_max": "the same, largest over the step's groups",
+    "groups_dropped": "groups found older than max_staleness and sampled again",
+    "tis_clip_frac": "share of the policy tokens whose behaviour weight was truncated at tis_cap",
+    "tis_weight_mean": "mean behaviour weight over the policy tokens, after truncation",
+    "rollout_worker_s": "the worker's own rollout time for the step's groups (rollout_s is the learner's wait for them)",
+}
 TIMING_COLUMNS = ("rollout_s", "update_s", "eval_s", "step_s", "elapsed_s")
 # async_rollouts and tis_cap (train.async_rollouts); empty in runs without them
 METRIC_COLUMNS += ["staleness_mean", "staleness_max", "groups_dropped", "tis_clip_frac", "tis_weight_mean",

@@ -124,8 +124,10 @@ def load_model(cfg: TrainConfig, tokenizer, device: torch.device, model_config=N
                               "(its learned sinks are kept), not with plain attention")
     if cfg.attention == "sinkflex":
         from .. import attention
+        from .layer_sinks import resolve_layer_sinks
 
-        attention.apply(model, n_sink=cfg.n_sink, window=cfg.window, learn_sinks=cfg.learn_sinks)
+        attention.apply(model, n_sink=cfg.n_sink, window=cfg.window, learn_sinks=cfg.learn_sinks,
+                        layer_sinks=resolve_layer_sinks(cfg, model, tokenizer))
     if cfg.tile_mlp_tokens:
         from .. import memory
 

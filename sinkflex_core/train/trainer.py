@@ -202,16 +202,14 @@ class Trainer:
         rows = self._collect_step(step) if self.async_rollouts is None else self.async_rollouts.next_rows(step)
         t_roll = time.perf_counter() - t0
         advantages, train_rows = self._advantages(rows)
-        if self.cfg.tis_cap > 0:  # the sampler's log-probs, before old_logprobs=recompute replaces them
-            rows["behaviour_logprobs"] = rows["old_logprobs"].clone()
-        ref, gap = self._frozen_terms(rows, train_rows)
+        ref = self._frozen_terms(rows, train_rows)
         acc = grpo_update(self.policy, self.optimizer, self.scheduler, rows, advantages, train_rows, ref,
                           self.cfg, self.dist)
         self._sync_rollout_weights()
         if self.async_rollouts is not None:
             self.async_rollouts.publish(step)  # the weights after `step` updates
         t_upd = time.perf_counter() - t0 - t_roll
-        row = {"step": step, **self._step_metrics(rows, train_rows, acc, gap), "rollout_s": t_roll,
+        row = {"step": step, **self._step_metrics(rows, train_rows, acc), "rollout_s": t_roll,
                "update_s": t_upd, **async_step_metrics(self, acc)}
         self.step_idx = step
         return row
@@ -238,22 +236,19 @@ class Trainer:
             train_rows = grpo.rows_with_signal(rows["rewards"], rows["group_ids"])
         return adv, train_rows
 
-    def _frozen_terms(self, rows: dict, train_rows: torch.Tensor) -> tuple[torch.Tensor | None, float | None]:
+    def _frozen_terms(self, rows: dict, train_rows: torch.Tensor) -> torch.Tensor | None:
         """The reference log-probs (None without KL) and, with ``old_logprobs="recompute"``, the
-        trainer's own old log-probs written into ``rows`` in place of the sampling ones; then also the
-        mean gap between the two over the policy tokens (else None)."""
+        trainer's own old log-probs written into ``rows`` in place of the sampling ones (which stay in
+        ``rows["sampler_logprobs"]`` for the sampler/trainer gap metrics)."""
         c = self.cfg
         train_idx = train_rows.nonzero().flatten()
-        gap = None
         if c.old_logprobs == "recompute":
             old = self._frozen_logprobs(rows, "old", train_idx)
-            m = rows["loss_mask"] * train_rows[:, None]
-            gap = float((old - rows["old_logprobs"]).abs().mul(m).sum() / m.sum().clamp_min(1))
+            rows["sampler_logprobs"] = rows["old_logprobs"]
             rows["old_logprobs"] = torch.where(train_rows[:, None], old, rows["old_logprobs"])
-        ref = self._frozen_logprobs(rows, "ref", train_idx) if c.kl_coef > 0 else None
-        return ref, gap
+        return self._frozen_logprobs(rows, "ref", train_idx) if c.kl_coef > 0 else None
 
-    def _step_metrics(self, rows: dict, train_rows: torch.Tensor, acc: dict, gap: float | None) -> dict:
+    def _step_metrics(self, rows: dict, train_rows: torch.Tensor, acc: dict) -> dict:
         """The step's row of ``metrics.csv`` (without step and timings): sums over ranks, then means,
         so that every rank logs the same numbers."""
         rewards = rows["rewards"].double()
@@ -264,7 +259,7 @@ class Trainer:
                  "groups_equal": groups_equal * n_groups, "groups": float(n_groups),
                  "tokens_policy": float(rows["loss_mask"].sum()), "tokens_total": float(rows["attention_mask"].sum()),
                  "turns": float(sum(float(s.get("turns", 0)) for s in rows["stats"])),
-                 **{k: acc[k] for k in UPDATE_SUMS if k != "grad_norm"}, "gap": gap or 0.0,
+                 **{k: acc[k] for k in UPDATE_SUMS if k != "grad_norm"},
                  "updated": float(train_rows.sum())}
         s = self.dist.reduce(local, "sum")
         ratio_max = self.dist.reduce({"ratio_max": acc["ratio_max"]}, "max")["ratio_max"]
@@ -287,7 +282,8 @@ class Trainer:
             "turns_mean": s["turns"] / n, "loss": per_update(s["loss"]), "pg_loss": per_update(s["pg_loss"]),
             "kl": per_update(s["kl"]), "entropy": per_token(s["entropy_tok"]), "clip_frac": per_token(s["clip_tok"]),
             "ratio_mean": per_token(s["ratio_tok"]), "ratio_max": ratio_max if upd else None,
-            "logp_gap_rollout": s["gap"] / self.dist.world if gap is not None else None,
+            "logp_gap_rollout": s["gap_abs"] / s["gap_tokens"] if s["gap_tokens"] else None,
+            "rollout_clip_frac": s["gap_out"] / s["gap_tokens"] if s["gap_tokens"] else None,
             "grad_norm": per_update(acc["grad_norm"]), "lr": self.scheduler.get_last_lr()[0],
         }
 
@@ -336,7 +332,7 @@ class Trainer:
             "optimizer": optim_sd,
             "trainer": {"step": self.step_idx, "scheduler": self.scheduler.state_dict(),
                         "sampler": self.sampler.state_dict(), "train_task_ids": self.train_task_ids,
-                        "config": self.cfg.to_dict(),
+                        "config": self.cfg.to_dict(), "attention": self._attention_settings(),
                         "elapsed_s": self._elapsed(), "world_size": self.dist.world},
         }
         return save_checkpoint(self.ckpt_dir, self.step_idx, payload, rank_payload={"rng": rng_state()},
@@ -374,6 +370,11 @@ class Trainer:
             raise ConfigError(f"{path} trained on other tasks than this run would ({len(state['train_task_ids'])} "
                               f"against {self.num_train_tasks}: has the task_screen file changed?). "
                               "Use another out_dir or --no-resume.")
+        saved_attention = state.get("attention", self._attention_settings())
+        if saved_attention != self._attention_settings():
+            raise ConfigError(f"{path} was trained with the attention {saved_attention}, this run would use "
+                              f"{self._attention_settings()} (has {Path(self.cfg.out_dir, 'sinkflex_sinks.json')} "
+                              "or the layer_sinks file changed?). Use another out_dir or --no-resume.")
         set_state_dict(self.policy, self.optimizer, model_state_dict=payload["model"],
                        optim_state_dict=payload["optimizer"], options=self._state_options())
         self.scheduler.load_state_dict(state["scheduler"])
@@ -386,6 +387,13 @@ class Trainer:
         if self.dist.main:
             self.log.truncate_after(self.step_idx)
         return path
+
+    def _attention_settings(self) -> dict | None:
+        """The sink attention the policy trains with (sink counts per layer, window), None for stock
+        attention: recorded in every checkpoint, so that a resumed run cannot switch counts silently."""
+        from .. import attention
+
+        return attention.attention_settings(causal_lm(self.policy.lm))
 
     def _elapsed(self) -> float:
         return self._elapsed_before + time.perf_counter() - self._t_start

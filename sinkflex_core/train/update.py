@@ -23,7 +23,22 @@ from .distributed import Dist, full_tensor
 from .policy import TokenLogprobs, trainable_parameters
 
 # What grpo_update adds up over its micro-batches; per-token sums are weighted by token counts.
-UPDATE_SUMS = ("loss", "pg_loss", "kl", "entropy_tok", "clip_tok", "ratio_tok", "tokens", "grad_norm")
+UPDATE_SUMS = ("loss", "pg_loss", "kl", "entropy_tok", "clip_tok", "ratio_tok", "tokens", "grad_norm",
+               "gap_abs", "gap_out", "gap_tokens")
+
+
+@torch.no_grad()
+def sampler_gap_sums(logp: torch.Tensor, sampler_logp: torch.Tensor, loss_mask: torch.Tensor, clip_low: float,
+                     clip_high: float) -> dict[str, float]:
+    """How far the sampler's log-probs are from the trainer's, on the same weights: sums over the policy
+    tokens of ``|logp - sampler_logp|`` (``gap_abs``), of the tokens whose ratio ``exp(logp -
+    sampler_logp)`` lies outside ``[1 - clip_low, 1 + clip_high]`` (``gap_out``), and their count
+    (``gap_tokens``). All inputs (B, L); ``loss_mask`` 1 on policy tokens."""
+    m = loss_mask.to(torch.bool)
+    diff = (logp.float() - sampler_logp.float())[m]
+    ratio = diff.exp()
+    out = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
+    return {"gap_abs": float(diff.abs().sum()), "gap_out": float(out.sum()), "gap_tokens": float(m.sum())}
 
 
 def loss_config(cfg: TrainConfig) -> grpo.GRPOLossConfig:
@@ -98,13 +113,17 @@ def grpo_update(policy: TokenLogprobs, optimizer: torch.optim.Optimizer, schedul
     """The optimizer steps of one GRPO step on ``rows``, for the rows where ``train_rows`` (B,) is True.
 
     ``advantages`` (B,), ``ref_logprobs`` (B, L) or None (no KL term). Returns this rank's sums over
-    micro-batches (:data:`UPDATE_SUMS`), ``ratio_max`` and ``updates``, the number of optimizer steps."""
+    micro-batches (:data:`UPDATE_SUMS`), ``ratio_max`` and ``updates``, the number of optimizer steps.
+
+    The micro-batches before the first optimizer step run on the weights that sampled the rollouts:
+    there the trainer's log-probs are compared with the sampler's (``rows["sampler_logprobs"]`` if
+    set, else ``old_logprobs``), in ``gap_*`` (:func:`sampler_gap_sums`)."""
     c, d = cfg, dist
     loss_cfg = loss_config(c)
     slot = position_in_group(rows["group_ids"])
     acc = dict.fromkeys(UPDATE_SUMS, 0.0) | {"ratio_max": 0.0, "updates": 0}
     # tis_cap: the sampler's log-probs, kept apart when old_logprobs were recomputed (train.async_rollouts)
-    behaviour = rows.get("behaviour_logprobs") if c.tis_cap > 0 else None
+    behaviour = rows.get("sampler_logprobs") if c.tis_cap > 0 else None
     acc |= {"tis_clip_tok": 0.0, "tis_weight_tok": 0.0}
     policy.train()
     for _epoch in range(c.ppo_epochs):
@@ -131,6 +150,12 @@ def grpo_update(policy: TokenLogprobs, optimizer: torch.optim.Optimizer, schedul
                 dev = logp.device
                 ref_sub = ref_logprobs[idx, lo:lo + width].to(dev) if ref_logprobs is not None else None
                 beh_sub = behaviour[idx, lo:lo + width].to(dev).float() if behaviour is not None else None
+                if real and acc["updates"] == 0:  # the weights are still those that sampled
+                    sampler = rows.get("sampler_logprobs")
+                    sampler = sub["old_logprobs"] if sampler is None else sampler[idx, lo:lo + width]
+                    for key, value in sampler_gap_sums(logp, sampler.to(dev), sub["loss_mask"].to(dev), c.clip_low,
+                                                       c.clip_high).items():
+                        acc[key] += value
                 loss, m = grpo.grpo_loss(logp, sub["old_logprobs"].to(dev).float(), advantages[idx].to(dev),
                                          sub["loss_mask"].to(dev), ref_logp=ref_sub, entropy=ent, config=loss_cfg,
                                          num_tokens=n_tok, num_seqs=n_seq, norm_length=c.max_total_tokens,
