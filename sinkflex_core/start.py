@@ -45,46 +45,34 @@ def start_dir() -> Path:
     return repo_root() / START_SUBDIR
 
 
-#: The sink attention the ``tiny-cpu`` preset plays this start with (sink tokens, a window shorter than
-#: the episodes of about a thousand tokens, the learned zero-value sink; per-layer counts from
-#: ``sinkflex_sinks.json`` where a layer's estimate differs).
-SINKS = {"n_sink": 4, "window": 256, "learn_sinks": True}
-
-
 def sink_settings(folder: str | Path | None = None) -> dict:
-    """The keyword arguments of :func:`sinkflex_core.attention.apply` for the start in ``folder``
-    (default: :func:`start_dir`): :data:`SINKS` with its per-layer sink counts."""
+    """The keyword arguments of :func:`sinkflex_core.attention.apply` with which a ``tiny-cpu`` run plays
+    the start in ``folder`` (default: :func:`start_dir`): the preset's sinks, window and learned sink,
+    and the per-layer counts of the folder's ``sinkflex_sinks.json``."""
+    from .train import resolve_config
+
     folder = Path(folder) if folder is not None else start_dir()
-    return {**SINKS, "layer_sinks": str(folder / "sinkflex_sinks.json")}
-
-
-def calibration_ids(policy_dir: str | Path, episodes: int = 16, length: int = 768):
-    """(B, L) token ids for the sink estimate: the first ``length`` tokens of the oracle's episodes of
-    the first training tasks whose episodes are at least that long (``episodes`` rows)."""
-    import torch
-
-    from . import models, sft
-
-    tokenizer = models.load_tokenizer(str(policy_dir))
-    cfg = sft.SFTConfig(**sft.saved_config(policy_dir)) if (Path(policy_dir) / "sft_config.json").is_file() \
-        else sft.SFTConfig()
-    rows = [e["input_ids"] for e in sft.expert_examples(tokenizer, cfg, list(range(4 * episodes)), split="train")]
-    rows = [r[:length] for r in rows if len(r) >= length][:episodes]
-    if not rows:
-        raise RuntimeError(f"no expert episode of {length} tokens or more for the sink estimate")
-    return torch.stack(rows)
+    cfg = resolve_config("tiny-cpu")
+    return {"n_sink": cfg.n_sink, "window": cfg.window, "learn_sinks": cfg.learn_sinks,
+            "layer_sinks": str(folder / "sinkflex_sinks.json")}
 
 
 def estimate_sinks(policy_dir: str | Path) -> Path:
-    """Estimate the per-layer sink counts of the policy in ``policy_dir`` and save them there
+    """Estimate the per-layer sink counts of the policy in ``policy_dir`` as a ``tiny-cpu`` run with
+    ``layer_sinks="auto"`` would (:func:`sinkflex_core.train.layer_sinks.resolve_layer_sinks`: the
+    oracle's episodes of the first training tasks, at least ``n_sink`` per layer) and save them there
     (``sinkflex_sinks.json``); returns the file."""
     import torch
 
     from . import attention, models
+    from .train import resolve_config
+    from .train.layer_sinks import expert_calibration_ids
 
+    cfg = resolve_config("tiny-cpu", {"model": str(policy_dir)})
     model = models.load_policy(policy_dir, attn_implementation="sdpa")
+    ids = expert_calibration_ids(cfg, models.load_tokenizer(str(policy_dir)))
     with torch.no_grad():
-        est = attention.estimate_layer_sinks(model, calibration_ids(policy_dir))
+        est = attention.estimate_layer_sinks(model, ids, min_sinks=cfg.n_sink, max_sinks=max(16, cfg.n_sink))
     return attention.save_layer_sinks(est, policy_dir)
 
 

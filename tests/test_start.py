@@ -63,10 +63,13 @@ def random_start(tmp_path_factory):
 
 def test_sink_estimate_of_a_start_has_one_count_per_layer(random_start, monkeypatch):
     ids = torch.randint(3, 500, (2, 96), generator=torch.Generator().manual_seed(0))
-    monkeypatch.setattr(start, "calibration_ids", lambda folder: ids)
+    from sinkflex_core.train import layer_sinks
+
+    monkeypatch.setattr(layer_sinks, "expert_calibration_ids", lambda cfg, tok: ids)
     path = start.estimate_sinks(random_start)
     counts = A.load_layer_sinks(path)
-    assert len(counts) == 2 and all(c >= 1 for c in counts)
+    # as a tiny-cpu run estimates them: the preset's n_sink is every layer's floor
+    assert len(counts) == 2 and all(4 <= c <= 16 for c in counts)
 
 
 def test_measure_plays_full_and_sink_attention_and_reuses_finished_parts(random_start, monkeypatch):
