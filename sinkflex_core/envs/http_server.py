@@ -375,7 +375,10 @@ class _JSONErrorProtocol(H11Protocol):
         self.conn.next_event = recording_next_event
 
     def on_response_complete(self) -> None:
-        self.transport.flush()
+        # The answer leaves when this turn of the event loop is over: the request's task then has
+        # finished and the thread is about to wait on its sockets, so the client, woken by the
+        # answer, finds the interpreter free instead of waiting for the server thread to let it go.
+        self.loop.call_soon(self.transport.flush)
         super().on_response_complete()
 
     def send_400_response(self, msg: str) -> None:
