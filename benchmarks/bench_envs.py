@@ -1,6 +1,6 @@
 """Speed of the tool environments, every form in one run: reset time, tool calls per second and the
-latency of one call (p50, p95) in process, over HTTP (FastAPI on uvicorn, httpx client) and over MCP
-(the official SDK, streamable HTTP or stdio), all on 127.0.0.1.
+latency of one call (p50, p95) in process, over HTTP (FastAPI on uvicorn, httpx's httpcore client)
+and over MCP (the official SDK, streamable HTTP or stdio), all on 127.0.0.1.
 
     python benchmarks/bench_envs.py [--calls 3000] [--mcp-calls 500] [--resets 200]
 

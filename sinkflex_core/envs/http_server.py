@@ -18,8 +18,8 @@ agent the same error text, word for word.
 
 :class:`ToolHTTPServer` serves any tool set from a uvicorn server running in a thread of its own;
 :class:`HTTPServedBackend` puts it in front of any backend (mix it in before the backend class, as
-:class:`RetailHTTPBackend` does): the environment's own tool calls then travel over HTTP (an
-``httpx.Client`` kept alive, like an agent framework's), resets and closes wait for the request in
+:class:`RetailHTTPBackend` does): the environment's own tool calls then travel over HTTP (one
+kept-alive connection of httpx's HTTP engine, httpcore), resets and closes wait for the request in
 flight, and ``close()`` (or the garbage collector, for an environment nobody closed) stops the server
 thread and frees the port.
 """
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import json
 import re
 import socket
@@ -39,12 +40,14 @@ from functools import lru_cache
 from typing import Annotated, Any, Literal
 
 import h11
+import httpcore
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -149,9 +152,15 @@ def _error(status: int, message: str, close: bool = False) -> JSONResponse:
     return JSONResponse({"error": message}, status, headers={"Connection": "close"} if close else None)
 
 
+# FastAPI's native OpenTelemetry support checks on every request whether a provider is configured;
+# these tools export no traces or metrics.
+_NO_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+                 if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
+
+
 def build_app(server: ToolHTTPServer) -> FastAPI:
     """The FastAPI application that serves ``server``'s tools (one route per tool)."""
-    app = FastAPI(title="sinkflex tools", version="1", docs_url=None, redoc_url=None,
+    app = FastAPI(title="sinkflex tools", version="1", docs_url=None, redoc_url=None, **_NO_TELEMETRY,
                   description="The tools of one environment; each call acts on the episode that is running.")
 
     @app.exception_handler(StarletteHTTPException)
@@ -176,8 +185,9 @@ def build_app(server: ToolHTTPServer) -> FastAPI:
     for tool in server.schemas:
         name = tool["function"]["name"]
         ref = {"$ref": f"#/components/schemas/{models[name].__name__}"}
-        app.add_api_route(
+        app.router.add_api_route(
             f"/tools/{name}", _tool_endpoint(server, name), methods=["POST"], response_model=ToolAnswer,
+            route_class_override=_ToolRoute,
             responses=errors, name=name, summary=tool["function"].get("description", ""),
             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}})
 
@@ -201,6 +211,42 @@ def build_app(server: ToolHTTPServer) -> FastAPI:
     return _guarded(app, server)
 
 
+async def _body_within(request: Request, seconds: float) -> bytes:
+    """The request body, or ``TimeoutError`` when it has not arrived within ``seconds``.
+
+    ``asyncio.wait_for`` would run the read in a task of its own; a timer that cancels this task
+    costs next to nothing when the body is already there (the usual case)."""
+    task = asyncio.current_task()
+    fired = False
+
+    def expire() -> None:
+        nonlocal fired
+        fired = True
+        task.cancel()
+
+    timer = asyncio.get_running_loop().call_later(seconds, expire)
+    try:
+        return await request.body()
+    except asyncio.CancelledError:
+        if not fired:
+            raise
+        if hasattr(task, "uncancel"):  # Python 3.11+: this task was cancelled once, by the timer alone
+            task.uncancel()
+        raise TimeoutError from None
+    finally:
+        timer.cancel()
+
+
+class _ToolRoute(APIRoute):
+    """A route to a tool: documented like any FastAPI route (its body model, its answers), served by an
+    endpoint that reads the request itself. FastAPI's handler would solve dependencies and validate
+    the body against the model on every call (more Python calls than the tool itself makes), for a
+    check that the argument checker makes anyway (and must make, to give the in-process error text)."""
+
+    def get_route_handler(self):
+        return self.endpoint
+
+
 def _tool_endpoint(server: ToolHTTPServer, name: str):
     async def call(request: Request) -> Response:
         length = request.headers.get("content-length")
@@ -215,8 +261,8 @@ def _tool_endpoint(server: ToolHTTPServer, name: str):
         if not request.headers.get("content-type", "").startswith("application/json"):
             return _error(415, "Content-Type must be application/json")
         try:
-            raw = await asyncio.wait_for(request.body(), READ_SECONDS)
-        except asyncio.TimeoutError:
+            raw = await _body_within(request, READ_SECONDS)
+        except TimeoutError:
             return _error(408, f"the body did not arrive within {READ_SECONDS:g} s", close=True)
         except ClientDisconnect:
             return _error(400, "the client went away", close=True)
@@ -237,7 +283,9 @@ def _tool_endpoint(server: ToolHTTPServer, name: str):
             return _error(500, f"the tool failed: {type(err).__name__}")
         if result is None:
             return _error(503, "the environment is closing", close=True)
-        return JSONResponse({"output": result.output, "done": result.done})
+        # the JSON written directly: JSONResponse would build the same bytes through a dict
+        return Response(b'{"output":' + json.dumps(result.output, ensure_ascii=False).encode()
+                        + (b',"done":true}' if result.done else b',"done":false}'), media_type="application/json")
 
     call.__name__ = f"call_{name}"
     return call
@@ -327,7 +375,10 @@ class _JSONErrorProtocol(H11Protocol):
         self.conn.next_event = recording_next_event
 
     def on_response_complete(self) -> None:
-        self.transport.flush()
+        # The answer leaves when this turn of the event loop is over: the request's task then has
+        # finished and the thread is about to wait on its sockets, so the client, woken by the
+        # answer, finds the interpreter free instead of waiting for the server thread to let it go.
+        self.loop.call_soon(self.transport.flush)
         super().on_response_complete()
 
     def send_400_response(self, msg: str) -> None:
@@ -440,18 +491,111 @@ def _weak_call(method) -> Callable[[str, dict], ToolResult]:
     return call
 
 
+class _OneWriteStream(httpcore.NetworkStream):
+    """A client connection that holds what is written until the answer is read, so that a request's
+    head and body leave in one write: the server then wakes once per request instead of twice (in
+    the same process each wake-up is also a hand-over of the interpreter between the two threads).
+    Above ``MAX_BODY`` the pieces leave at once, as they would without it."""
+
+    def __init__(self, stream: httpcore.NetworkStream):
+        self._stream = stream
+        self._pending: list[bytes] = []
+        self._size = 0
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._pending.append(buffer)
+        self._size += len(buffer)
+        if self._size > MAX_BODY:
+            self._flush(timeout)
+
+    def _flush(self, timeout: float | None) -> None:
+        if self._pending:
+            data, self._pending, self._size = b"".join(self._pending), [], 0
+            self._stream.write(data, timeout)
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        self._flush(timeout)
+        return self._stream.read(max_bytes, timeout)
+
+    def close(self) -> None:
+        self._pending, self._size = [], 0
+        self._stream.close()
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+class _OneWriteBackend(httpcore.SyncBackend):
+    def connect_tcp(self, *args, **kwargs) -> httpcore.NetworkStream:
+        return _OneWriteStream(super().connect_tcp(*args, **kwargs))
+
+
+_SOCKET_OPTIONS = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+
+
 def _transport() -> httpx.HTTPTransport:
     # httpx writes a request's head and body separately: without TCP_NODELAY the body waits for the
     # server's delayed ACK (40 ms a call on Linux)
-    return httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+    return httpx.HTTPTransport(socket_options=_SOCKET_OPTIONS,
                                limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
 
 
-_JSON_HEADERS = [(b"Content-Type", b"application/json")]
+class _ToolConnection:
+    """The environment's kept-alive connection to its tool server: one httpcore HTTP/1.1 connection
+    (httpx's engine) over the one-write stream above, made again whenever the last one was closed.
+    httpcore's pool would check the socket and its own bookkeeping on every call (a fifth of the
+    client's work) to share connections that this client never shares."""
+
+    def __init__(self, host: str, port: int):
+        self._host, self._port = host, port
+        self._origin = httpcore.Origin(b"http", host.encode(), port)
+        self._backend = _OneWriteBackend()
+        self._conn: httpcore.HTTP11Connection | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._used = 0.0
+
+    def request(self, request: httpcore.Request) -> tuple[int, bytes]:
+        """Send ``request``; return the answer's status and body. Any failure closes the connection
+        (the next request opens a new one) and raises httpcore's error."""
+        with self._lock:
+            if self._closed:
+                raise httpcore.ConnectError("the client is closed")
+            conn = self._conn
+            # after a pause the server may have closed the connection (uvicorn: 5 s of silence); a
+            # closed socket reads as ready, so look before sending rather than fail and send again
+            stale = conn is not None and time.monotonic() - self._used > 1.0 and conn.has_expired()
+            if conn is None or stale or not conn.is_idle():
+                if conn is not None:
+                    conn.close()
+                stream = self._backend.connect_tcp(self._host, self._port, timeout=JOIN_SECONDS,
+                                                   socket_options=_SOCKET_OPTIONS)
+                conn = self._conn = httpcore.HTTP11Connection(origin=self._origin, stream=stream)
+            try:
+                resp = conn.handle_request(request)
+                try:
+                    return resp.status, resp.read()
+                finally:
+                    resp.close()
+                    self._used = time.monotonic()
+            except BaseException:
+                conn.close()
+                self._conn = None
+                raise
+
+    def close(self) -> None:
+        """Close the connection now, without waiting for a request in flight (which then fails)."""
+        self._closed = True
+        conn = self._conn
+        if conn is not None:
+            conn.close()
+
+
 _TIMEOUTS = httpx.Timeout(JOIN_SECONDS).as_dict()
 
 
-def _shut(server: ToolHTTPServer, client: httpx.Client) -> None:
+def _shut(server: ToolHTTPServer, client: httpx.Client, connection: _ToolConnection) -> None:
+    connection.close()
     client.close()
     server.stop()
 
@@ -473,14 +617,17 @@ class HTTPServedBackend:
         self._schemas = self.tools()
         self._names = {t["function"]["name"]: t["function"]["parameters"] for t in self._schemas}
         self.server = ToolHTTPServer(self._schemas, _weak_call(self._serve_call))
-        # One keep-alive connection reused across calls, like an agent framework's HTTP client. Tool
-        # calls go straight to the client's transport: httpx.Client's cookie, redirect and event-hook
-        # handling doubles the cost of a call and none of it applies here.
-        self._transport = _transport()
-        self.http = httpx.Client(base_url=self.server.url, timeout=JOIN_SECONDS, trust_env=False,
-                                 transport=self._transport)
-        self._call_url = {name: httpx.URL(f"{self.server.url}/tools/{name}") for name in self._names}
-        self._finalizer = weakref.finalize(self, _shut, self.server, self.http)
+        # The environment's tool calls go to httpx's HTTP engine (httpcore) directly, on one kept-alive
+        # connection like an agent framework's: httpx.Client's cookie, redirect and event-hook handling
+        # and its request and response wrappers cost more than the tool itself, and none of it applies
+        # here. ``http`` is an httpx client of the server for anything else.
+        host, port = self.server.server_address
+        self._connection = _ToolConnection(host, port)
+        self.http = httpx.Client(base_url=self.server.url, timeout=JOIN_SECONDS, trust_env=False, transport=_transport())
+        self._host = [(b"Host", f"{host}:{port}".encode()), (b"Content-Type", b"application/json")]
+        self._call_url = {name: httpcore.URL(scheme=b"http", host=host.encode(), port=port,
+                                             target=f"/tools/{name}".encode()) for name in self._names}
+        self._finalizer = weakref.finalize(self, _shut, self.server, self.http, self._connection)
 
     def _serve_call(self, name: str, arguments: dict) -> ToolResult:
         """What the server runs for a request: the backend's in-process tool call."""
@@ -512,14 +659,12 @@ class HTTPServedBackend:
             return ToolResult(f"Error: the arguments are larger than {MAX_BODY} bytes")
         for attempt in range(2):
             try:
-                request = httpx.Request("POST", self._call_url[name], content=body, headers=_JSON_HEADERS,
-                                        extensions={"timeout": _TIMEOUTS})
-                resp = self._transport.handle_request(request)
-                try:
-                    return _result_from_answer(resp.status_code, resp.read())
-                finally:
-                    resp.close()
-            except httpx.TransportError as err:  # the server closed a kept-alive connection: once more
+                headers = [*self._host, (b"Content-Length", str(len(body)).encode())]
+                request = httpcore.Request(b"POST", self._call_url[name], headers=headers, content=body,
+                                           extensions={"timeout": _TIMEOUTS})
+                return _result_from_answer(*self._connection.request(request))
+            except (httpcore.NetworkError, httpcore.TimeoutException, httpcore.ProtocolError) as err:
+                # the server closed a kept-alive connection: once more
                 if attempt:
                     return ToolResult(f"Error: the tool server did not answer ({type(err).__name__})")
         raise AssertionError("unreachable")
