@@ -1,11 +1,11 @@
-"""The paper's retail learning curve at small scale: SFT of a tiny Qwen2 policy on the oracle's
-trajectories (early stopping at the paper's starting reward of 0.25, which the recorded start did not
-reach: 0.05 when its time budget ended), then GRPO with 3 seeds.
+"""The paper's retail learning curve at small scale: GRPO with 3 seeds from the shipped start policy
+(``data/retail-tiny-start``, :mod:`sinkflex_core.start`), or from a start trained here.
 
-    python benchmarks/reproduce_curve.py                    # SFT (cached in runs/curve/sft and
-                                                            # runs/curve/sft_identity), the screen of
-                                                            # the training tasks (cached in
-                                                            # runs/curve/train_screen.csv), seeds 0 1 2
+    python benchmarks/reproduce_curve.py                    # from the shipped start, with its screen of
+                                                            # the training tasks, seeds 0 1 2
+    python benchmarks/reproduce_curve.py --train-start      # SFT here first (cached in runs/curve/sft and
+                                                            # runs/curve/sft_identity), then its screen
+                                                            # (cached in runs/curve/train_screen.csv)
     python benchmarks/reproduce_curve.py --parallel 3       # the seeds side by side, one thread each
     python benchmarks/reproduce_curve.py --smoke            # a minute: tiny settings, nothing written to data/
     python benchmarks/reproduce_curve.py --record-only      # rewrite data/ from the finished runs
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from sinkflex_core import sft, train
+from sinkflex_core import sft, start, train
 from sinkflex_core.paths import data_dir, repo_root
 
 PAPER_START, PAPER_END = train.PAPER_REWARD_START, train.PAPER_REWARD_END
@@ -141,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--out-root", default="runs/curve", help="SFT and GRPO run folders")
     p.add_argument("--sft-dir", default=None,
-                   help="an existing SFT policy folder (default: OUT_ROOT/sft continued into OUT_ROOT/sft_identity)")
+                   help="the start policy folder (default: the shipped start, data/retail-tiny-start)")
+    p.add_argument("--train-start", action="store_true",
+                   help="train the start here instead: OUT_ROOT/sft continued into OUT_ROOT/sft_identity")
     p.add_argument("--parallel", type=int, default=1, help="seeds run at once (each with 2/N threads)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="GRPO config override")
     p.add_argument("--screen-samples", type=int, default=4,
@@ -166,13 +168,20 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             p.error(f"--record-only: no finished run in {', '.join(missing)}")
         return record(out_root, sft_dir, args.seeds, args.parallel, args.smoke)
-    sft_dir = Path(args.sft_dir) if args.sft_dir else run_sft(out_root, args.smoke, threads, not args.no_progress)
+    if args.sft_dir:
+        sft_dir = Path(args.sft_dir)
+    elif args.train_start or args.smoke or not (start.start_dir() / "model.safetensors").is_file():
+        sft_dir = run_sft(out_root, args.smoke, threads, not args.no_progress)
+    else:
+        sft_dir = start.start_dir()
     overrides = dict(kv.split("=", 1) for kv in args.set)
     if args.screen_samples < 0:
         p.error("--screen-samples must be >= 0")
     if args.screen_samples and "task_screen" not in overrides:
         if args.smoke:  # the smoke policy solves nothing: a screen would leave no task
             print("smoke: no screen of the training tasks", flush=True)
+        elif (sft_dir / "train_screen.csv").is_file() and args.screen_samples == 4:  # the start's own screen
+            screen = sft_dir / "train_screen.csv"
         else:
             screen = train.screen_or_reuse(sft_dir, out_root / "train_screen.csv", samples=args.screen_samples,
                                            progress=not args.no_progress)
