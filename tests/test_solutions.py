@@ -79,3 +79,14 @@ def test_solutions_run_in_smoke_mode(script):
     after = tracked_outputs()
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     assert not changed, f"{script.name} wrote to tracked outputs: {changed}"
+
+
+def test_docs_link_each_lesson_to_its_solutions_page(tmp_path):
+    from sinkflex_core.notebooks import render_html
+
+    pages = render_html(tmp_path, only=["02"])
+    page = tmp_path / "solutions" / "02_grpo_loss.html"
+    assert page in pages
+    text = page.read_text(encoding="utf-8")
+    assert "Exercise 1" in text and "group_advantages" in text
+    assert 'href="solutions/02_grpo_loss.html"' in (tmp_path / "index.html").read_text(encoding="utf-8")

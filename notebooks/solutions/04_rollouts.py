@@ -117,11 +117,11 @@ for group_size in (1, 4, 16):
 # with a total budget `max_total_tokens` of 300: what ended each episode.
 
 # %%
-for changes in ({"max_turns": 1}, {"max_new_tokens_per_turn": 8}, {"max_total_tokens": 300}, {}):
+for changes in ({"max_turns": 1}, {"max_new_tokens_per_turn": 8}, {"max_total_tokens": 300}):
     batch, _ = play(**changes)
     ended = Counter(t.ended_by for t in batch.trajectories)
     turns = [t.turns for t in batch.trajectories]
-    print(f"{str(changes or 'lesson settings'):32s} ended by {dict(ended)}, turns {turns}, "
+    print(f"{str(changes):32s} ended by {dict(ended)}, turns {turns}, "
           f"longest {int(batch.lengths().max())} tokens")
     if changes.get("max_new_tokens_per_turn") == 8:
         assert "max_turn_tokens" in ended
