@@ -168,8 +168,9 @@ print("padding tokens: padded", int((batch.attention_mask == 0).sum()), "vs pack
 #
 # Change one thing, run the cells again, and look for what each exercise names.
 #
-# 1. **Temperature.** Play the group with `temperature=0.1`, then `1.5`, in `cfg`. How many of the 8 episodes
-#    differ, what happens to `old_logprobs`, and what advantages does GRPO give a group of identical episodes?
+# 1. **Temperature.** Play the group with `temperature=0` (greedy), then `1.5`, in `cfg`. How many of the 8
+#    episodes differ, what happens to `old_logprobs`, and what advantages does GRPO give a group of identical
+#    episodes?
 # 2. **Group size.** Set `group_size` to 1, then 16, and look at the batch's shape and at the backend's
 #    `generated_tokens` and `forward_calls`. Why does a bigger group cost less than proportionally more, and
 #    what advantage can a group of one give?

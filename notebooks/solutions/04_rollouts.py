@@ -68,25 +68,26 @@ def policy_tokens(traj):
 # %% [markdown]
 # ## Exercise 1 · Temperature
 #
-# The lesson's group at `temperature` 0.1, 1.0 and 1.5: how many of the 8 episodes differ, and the mean
-# sampling log-prob of the policy's tokens.
+# The lesson's group at `temperature` 0 (greedy), 1.0 and 1.5: how many of the 8 episodes differ, and the
+# mean log-prob of the policy's tokens under the distribution they were sampled from.
 
 # %%
 distinct = {}
-for temperature in (0.1, 1.0, 1.5):
+for temperature in (0.0, 1.0, 1.5):
     batch, _ = play(temperature=temperature)
     distinct[temperature] = len({policy_tokens(t) for t in batch.trajectories})
     mean_logp = float((batch.old_logprobs * batch.loss_mask).sum() / batch.loss_mask.sum())
     print(f"temperature {temperature:3.1f}: {distinct[temperature]} distinct episodes of {len(batch)}, "
           f"mean log-prob of a policy token {mean_logp:+.2f}, rewards {batch.rewards.tolist()}")
-assert distinct[0.1] <= distinct[1.5]
+assert distinct[0.0] == 1
 
 # %% [markdown]
-# A low temperature makes the 8 episodes (nearly) the same: the same tokens, the same reward, so the group
-# gives every one an advantage of 0 and the step learns nothing from this task. A high temperature spreads
-# the group (lower log-probs, more varied and more broken text). GRPO needs a group that disagrees, which
-# is why training samples at temperature 1. Note that `old_logprobs` are those of the distribution that
-# was sampled; with a temperature other than 1 they are not the policy's own log-probs.
+# Greedy decoding plays the same episode 8 times: the same tokens, the same reward, so GRPO gives each an
+# advantage of exactly 0 and the step learns nothing from the task, however good or bad the episode. A low
+# temperature comes close to that; a high one spreads the group (lower log-probs, more varied and more
+# broken text). GRPO needs a group that disagrees, which is why training samples at temperature 1. Note
+# that `old_logprobs` are those of the distribution that was sampled (`logits / temperature`): only at
+# temperature 1 (top-p 1) are they the policy's own, as the loss's ratio assumes.
 
 # %% [markdown]
 # ## Exercise 2 · Group size
