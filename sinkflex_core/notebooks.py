@@ -254,11 +254,13 @@ def render_html(out_dir: Path | None = None, only: list[str] | None = None) -> l
         if only and not any(info.name.startswith(o) for o in only):
             continue
         body, _ = exporter.from_filename(str(info.path))
+        solutions = info.path.parent / "solutions" / (info.path.stem + ".py")
+        if solutions.is_file():  # the lesson links its script; the pages link the script's page
+            body = body.replace(f'href="solutions/{solutions.name}"', f'href="solutions/{solutions.stem}.html"')
         page = out_dir / (info.path.stem + ".html")
         page.write_text(body, encoding="utf-8")
         pages.append(page)
         link = f'<li><a href="{page.name}">{html.escape(info.title)}</a>: {html.escape(info.summary)}'
-        solutions = info.path.parent / "solutions" / (info.path.stem + ".py")
         if solutions.is_file():
             pages.append(_solutions_page(solutions, exporter, out_dir / "solutions"))
             link += f' (<a href="solutions/{pages[-1].name}">solutions to its exercises</a>)'

@@ -89,4 +89,5 @@ def test_docs_link_each_lesson_to_its_solutions_page(tmp_path):
     assert page in pages
     text = page.read_text(encoding="utf-8")
     assert "Exercise 1" in text and "group_advantages" in text
-    assert 'href="solutions/02_grpo_loss.html"' in (tmp_path / "index.html").read_text(encoding="utf-8")
+    for linking in ("index.html", "02_grpo_loss.html"):
+        assert 'href="solutions/02_grpo_loss.html"' in (tmp_path / linking).read_text(encoding="utf-8"), linking
