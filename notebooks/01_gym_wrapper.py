@@ -404,3 +404,22 @@ plt.show()
 # do-nothing agents stay at 0: a task can only be passed by reaching the right database state and
 # saying the required answers, which neither baseline does by chance. The oracle's conversations are the
 # supervised fine-tuning data for the small policies trained later (`expert_conversation`).
+
+# %% [markdown]
+# ## Exercises
+#
+# Change one thing, run the cells again, and look for what each exercise names.
+#
+# 1. **A malformed tool call.** In the `parse_action` cell, add a call to a misspelled tool, one without its
+#    `order_id`, and one whose JSON is cut off; then send each to `env.step(...)` after
+#    `env.reset(options={"task_index": 0})`. Look at the observation, the reward and `terminated`: why is it
+#    better for training that nothing raises and the episode goes on?
+# 2. **Another world, another form.** Make the store with
+#    `gym.make("sinkflex/Retail-v0", split="test", world_seed=1)` and let the oracle play a few test tasks;
+#    then play airline task 0 with `sinkflex/AirlineHTTP-v0` and compare its transcript with `air_messages`.
+#    What does the oracle's reward on a world it never saw say about what it relies on?
+# 3. **The reward of a wrong answer.** In the reward cell, answer the information task with a wrong status
+#    (`backend.respond("It is pending.")`), then with every status in one message. Which half of the reward
+#    fails, and why does the second answer score 0 as well?
+#
+# Solutions: [`solutions/01_gym_wrapper.py`](solutions/01_gym_wrapper.py), one cell per exercise that runs and prints what to look for (JupyterLab with jupytext opens it as a notebook; or `jupytext --to ipynb notebooks/solutions/01_gym_wrapper.py`).

@@ -292,3 +292,22 @@ for n in (512, 2048, 4096):
     naive = kept_for_backward(grpo.naive_token_logprobs, hn[:, :-1], w, idn[:, 1:])
     chunked = kept_for_backward(grpo.causal_token_logprobs, hn, w, idn)
     print(f"{n:>7} {(n - 1) * V * 4 / 2**20:20.2f} {naive:16.2f} {chunked:18.3f}")
+
+# %% [markdown]
+# ## Exercises
+#
+# Change one thing, run the cells again, and look for what each exercise names.
+#
+# 1. **A group with equal rewards, and a lone success.** In section 1 set `rewards` to eight 1.0 (then eight
+#    0.0), then to one 1.0 among seven 0.0, and compare the GRPO and Dr. GRPO advantages. What does a group
+#    of equal rewards teach the policy, and how does dividing by the group's std change the weight of a rare
+#    success?
+# 2. **A long and a short wrong answer.** In section 4 set `lengths = [16, 512]` and compare the weight of
+#    one token of each trajectory under `seq-mean-token-mean` (GRPO) and `seq-mean-token-sum-norm`
+#    (Dr. GRPO). With a negative advantage, whose tokens are pushed down less, and what would a policy learn
+#    from that?
+# 3. **The clip band on a ratio of 1.5.** In the numbers cell of section 2 set `r = torch.tensor([1.5])` and
+#    try `clip_high` 0.2, 0.28 and 0.6. Which of A = +1 and A = -1 is clipped, and which still gets a
+#    gradient (call `lp.requires_grad_()` first, then `out.loss.sum().backward()` and read `lp.grad`)?
+#
+# Solutions: [`solutions/02_grpo_loss.py`](solutions/02_grpo_loss.py), one cell per exercise that runs and prints what to look for (JupyterLab with jupytext opens it as a notebook; or `jupytext --to ipynb notebooks/solutions/02_grpo_loss.py`).

@@ -292,3 +292,22 @@ print(f"\nrecorded speed-up of sink + window over SDPA causal at 32k: {sd[('sdpa
 if not smoke:
     exact.assign(**provenance(seed=seed)).to_csv(data_dir() / "attention_exactness_cpu.csv", index=False)
 print("exactness table", "not written (smoke mode)" if smoke else "written to data/attention_exactness_cpu.csv")
+
+# %% [markdown]
+# ## Exercises
+#
+# Change one thing, run the cells again, and look for what each exercise names.
+#
+# 1. **A smaller window.** In section 1 print what query 20 sees with `dense(2, 2)` and `dense(2, 1)` instead
+#    of `dense(2, 5)`, and in the block-sparsity cell try windows of 128 and 2,048 instead of 512. What can a
+#    token still see with a window of 1, and how does the share of skipped blocks change?
+# 2. **Keep the sinks or not.** After section 2, switch copies of the planted-sink `model` to a window of 32,
+#    `A.apply(copy.deepcopy(model), n_sink=0, window=32, learn_sinks=False)` and the same with `n_sink=4`,
+#    and compare their logits on `calib` with the model's own full attention (mean absolute difference). Do
+#    the same for a model without planted sinks, `build_model(cfg, seed=seed)`. Where do the 4 sink tokens
+#    matter, and why?
+# 3. **The zero-value sink at -inf and at 0.** In section 3 compare `A.apply_zero_value_sink(out, lse,
+#    torch.tensor([s]))` with `out` for `s` = `float("-inf")`, -10, 0 and 10. When is the output exactly that
+#    of attention without a sink, and what happens to a head whose sink logit is far above its `lse`?
+#
+# Solutions: [`solutions/03_sink_flex_attention.py`](solutions/03_sink_flex_attention.py), one cell per exercise that runs and prints what to look for (JupyterLab with jupytext opens it as a notebook; or `jupytext --to ipynb notebooks/solutions/03_sink_flex_attention.py`).

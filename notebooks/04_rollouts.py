@@ -162,3 +162,20 @@ packed = batch.pack(max_tokens=int(batch.lengths().max()) * 2)
 print("packed rows:", tuple(packed.input_ids.shape), "from", len(batch), "trajectories")
 print("documents per row:", [sorted(set(r.tolist()) - {-1}) for r in packed.doc_ids])
 print("padding tokens: padded", int((batch.attention_mask == 0).sum()), "vs packed", int((packed.attention_mask == 0).sum()))
+
+# %% [markdown]
+# ## Exercises
+#
+# Change one thing, run the cells again, and look for what each exercise names.
+#
+# 1. **Temperature.** Play the group with `temperature=0` (greedy), then `1.5`, in `cfg`. How many of the 8
+#    episodes differ, what happens to `old_logprobs`, and what advantages does GRPO give a group of identical
+#    episodes?
+# 2. **Group size.** Set `group_size` to 1, then 16, and look at the batch's shape and at the backend's
+#    `generated_tokens` and `forward_calls`. Why does a bigger group cost less than proportionally more, and
+#    what advantage can a group of one give?
+# 3. **Turn limits.** One at a time, set `max_turns=1`, `max_new_tokens_per_turn=8` and
+#    `max_total_tokens=300`, and read `ended_by` in the table. What reward does an episode cut by a limit get,
+#    and what is left of the learning signal when the limits are too tight?
+#
+# Solutions: [`solutions/04_rollouts.py`](solutions/04_rollouts.py), one cell per exercise that runs and prints what to look for (JupyterLab with jupytext opens it as a notebook; or `jupytext --to ipynb notebooks/solutions/04_rollouts.py`).

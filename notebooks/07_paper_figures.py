@@ -78,3 +78,20 @@ print(comparison.to_string(index=False))
 
 # %%
 print(bench.targets_report(bench.load_vram_results()).to_string(index=False))
+
+# %% [markdown]
+# ## Exercises
+#
+# Change one thing, run the cells again, and look for what each exercise names.
+#
+# 1. **One seed.** Copy `data/` to a folder under `build/`, keep only seed 0 in the copy's
+#    `reward_curve.csv`, and call `bench.regenerate_figures(copy, figures_folder)` with a figures folder
+#    under `build/` too (the repository's figures stay as they are). What does the reward figure no longer
+#    show, and how large is the spread between the recorded seeds compared with the gain of training?
+# 2. **A slice of the rows.** In another copy keep only the rows of `vram_recorded_h200.csv` with
+#    `logprobs == "full"` and regenerate. Which lines are left in `vram_vs_length.png`, and how far do they
+#    reach?
+# 3. **A missing input.** Delete `attention_recorded_h200.csv` from a copy and regenerate. What does the
+#    returned table say, and which figures are still made?
+#
+# Solutions: [`solutions/07_paper_figures.py`](solutions/07_paper_figures.py), one cell per exercise that runs and prints what to look for (JupyterLab with jupytext opens it as a notebook; or `jupytext --to ipynb notebooks/solutions/07_paper_figures.py`).

@@ -101,7 +101,8 @@ def _cmd_docs(args) -> int:
     from .notebooks import render_html
 
     pages = render_html(args.out, args.only)
-    print(f"{len(pages) - 1} lessons rendered; open {pages[0]}")
+    solutions = sum(page.parent.name == "solutions" for page in pages[1:])
+    print(f"{len(pages) - 1 - solutions} lessons rendered, with {solutions} solutions pages; open {pages[0]}")
     return 0
 
 

@@ -240,7 +240,8 @@ def scrub(nb: dict) -> dict:
 
 def render_html(out_dir: Path | None = None, only: list[str] | None = None) -> list[Path]:
     """Render the stored lessons (with the outputs of their recorded run) to standalone HTML pages,
-    plus an ``index.html`` linking them, so they can be shared without a Jupyter server.
+    plus an ``index.html`` linking them, so they can be shared without a Jupyter server. A lesson's
+    solutions script (``notebooks/solutions/NN_name.py``) becomes ``solutions/NN_name.html``.
 
     Nothing is executed: the pages show what the repository's notebooks carry."""
     from nbconvert import HTMLExporter
@@ -253,11 +254,30 @@ def render_html(out_dir: Path | None = None, only: list[str] | None = None) -> l
         if only and not any(info.name.startswith(o) for o in only):
             continue
         body, _ = exporter.from_filename(str(info.path))
+        solutions = info.path.parent / "solutions" / (info.path.stem + ".py")
+        if solutions.is_file():  # the lesson links its script; the pages link the script's page
+            body = body.replace(f'href="solutions/{solutions.name}"', f'href="solutions/{solutions.stem}.html"')
         page = out_dir / (info.path.stem + ".html")
         page.write_text(body, encoding="utf-8")
         pages.append(page)
-        links.append(f'<li><a href="{page.name}">{html.escape(info.title)}</a>: {html.escape(info.summary)}</li>')
+        link = f'<li><a href="{page.name}">{html.escape(info.title)}</a>: {html.escape(info.summary)}'
+        if solutions.is_file():
+            pages.append(_solutions_page(solutions, exporter, out_dir / "solutions"))
+            link += f' (<a href="solutions/{pages[-1].name}">solutions to its exercises</a>)'
+        links.append(link + "</li>")
     index = out_dir / "index.html"
     index.write_text("<!doctype html>\n<meta charset=\"utf-8\">\n<title>sinkflex lessons</title>\n"
                      "<h1>sinkflex lessons</h1>\n<ol>\n" + "\n".join(links) + "\n</ol>\n", encoding="utf-8")
     return [index, *pages]
+
+
+def _solutions_page(script: Path, exporter, out_dir: Path) -> Path:
+    """A solutions script (jupytext percent format) as an HTML page, converted, not executed: its cells
+    print the answers when a student runs them, and the page shows the code and what to conclude."""
+    import jupytext
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    body, _ = exporter.from_notebook_node(jupytext.read(script, fmt="py:percent"))
+    page = out_dir / (script.stem + ".html")
+    page.write_text(body, encoding="utf-8")
+    return page
