@@ -16,7 +16,7 @@ with what GRPO needs beside the weights:
 - ``recipe/``: the SFT's config and history (each stage's, with ``--identity-stage``);
 - ``README.md``: the model card, written from the files above.
 
-Regenerate it (about 90 minutes on 2 cores; each finished part is reused when run again)::
+Regenerate it (about an hour and a half on 2 busy cores; each finished part is reused when run again)::
 
     python -m sinkflex_core.start                    # -> data/retail-tiny-start
     python -m sinkflex_core.start --card-only        # rewrite README.md from the files in the folder
@@ -191,7 +191,8 @@ def card_text(out: Path) -> str:
              f"{params:,} parameters, float32.",
              f"- Weights digest (first 16 hex digits of the SHA-256 of `model.safetensors`): `{policy_digest(out)}`.",
              "- Trained with full causal attention (sdpa). `sinkflex_sinks.json` holds the per-layer sink counts "
-             "estimated from it (`sinkflex_core.attention.estimate_layer_sinks`), which GRPO's sink attention uses.",
+             "estimated from it (`sinkflex_core.attention.estimate_layer_sinks`), which GRPO's sink attention uses: "
+             + _sinks_sentence(out) + ".",
              "", "## Recipe and data", ""]
     total_tokens = 0
     for c, h in zip(cfgs, hists):
@@ -209,11 +210,11 @@ def card_text(out: Path) -> str:
                      f"{cfg['val_tasks']} training-split tasks never in the data).")
     lines += [f"- About {total_tokens / 1e6:.0f}M tokens seen in all. Data: the oracle's episodes of the "
               "10,000 synthetic retail tasks (users of the training split, apart from GRPO's 600 training "
-              "tasks and the 120 test tasks), people and places renamed per episode; copy drills and "
-              "identity-lookup rows as `sinkflex_core.sft` documents.",
+              "tasks and the 120 test tasks), people and places renamed per episode, copy drills in the "
+              "batches (`sinkflex_core.sft` documents each ingredient).",
               "- What was tried on the way, and what did not help: `docs/experiments.md`.", "",
               "## Measured", ""]
-    tests = pd.read_csv(out / "test_rewards.csv")
+    tests = pd.read_csv(out / "test_rewards.csv", dtype={"git_sha": str, "policy_digest": str})
     for label, t in tests.groupby("attention", sort=False):
         mean, lo, hi = _interval(t["successes"], t["tries"])
         row = t.iloc[0]
@@ -225,20 +226,38 @@ def card_text(out: Path) -> str:
         lines.append("  By request kind: " + ", ".join(f"{k} {v:.2f}" for k, v in kinds.items()) + ".")
     screen_path = out / "train_screen.csv"
     if screen_path.is_file():
-        screen = pd.read_csv(screen_path)
+        screen = pd.read_csv(screen_path, dtype={"git_sha": str, "policy_digest": str})
         some = int(((screen["successes"] > 0) & (screen["successes"] < screen["tries"])).sum())
         lines.append(f"- Training tasks solved sometimes but not always ({int(screen['tries'].iloc[0])} episodes "
                      f"each, {screen['attention'].iloc[0]}): {some} of {len(screen)}; the screen GRPO trains on "
                      "(`train_screen.csv`).")
-    lines += ["- The paper's start, Qwen2.5-7B-Instruct, scores 0.25 on its retail tasks: the two numbers "
-              "are of different models on different task sets and are not comparable as a percentage.", "",
+    lines += ["- The paper's start, Qwen2.5-7B-Instruct, scores 0.25 on its retail tasks. This policy is far "
+              "below that: it has learned the conversations' form and the tool calls, and it rarely copies every "
+              "value of a task right (`docs/experiments.md` says what limits a model trained from scratch here). "
+              "The two numbers are of different models on different task sets, not comparable as a percentage.",
+              "",
               "## Regenerate", "", "```", "python -m sinkflex_core.start", "```", "",
-              "About 90 minutes on 2 CPU cores: the two SFT stages (about 55 minutes), the test rewards and "
-              "the screen. Finished parts are reused when run again; `--card-only` rewrites this card.", "",
+              "It generates the oracle's expert episodes and runs the copy warm-up (together about a quarter "
+              "of an hour on 2 cores), the SFT and the measurements above, whose minutes each line gives "
+              "(measured on a shared machine: idle cores are faster). Finished parts are reused when run "
+              "again; `--card-only` rewrites this card from the files in the folder.", "",
               "## Use", "", "```python", "from sinkflex_core import models, start",
               "policy = models.load_policy(start.start_dir())", "```", "",
-              "`sinkflex train` (preset `tiny-cpu`) starts from this folder unless `--model` says otherwise.", ""]
+              "GRPO from it: `sinkflex train --model data/retail-tiny-start` (preset `tiny-cpu`, which plays "
+              "it with the sink attention above) or `python benchmarks/reproduce_curve.py`.", ""]
     return "\n".join(lines)
+
+
+def _sinks_sentence(out: Path) -> str:
+    data = json.loads((out / "sinkflex_sinks.json").read_text())
+    peak = max(max(m) for m in data["mass"])
+    text = (f"{', '.join(str(n) for n in data['n_sink'])} sink tokens in layers 0-{len(data['n_sink']) - 1} "
+            f"(at least {data['min_sinks']}; a position is a sink when queries put at least "
+            f"{data['threshold']:.0%} of their attention on it)")
+    if all(n == data["min_sinks"] for n in data["n_sink"]):
+        text += (f"; no early position of any layer drew more than {peak:.1%} of the attention, so every layer "
+                 "keeps the minimum")
+    return text
 
 
 def _numel(shape) -> int:
