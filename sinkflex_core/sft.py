@@ -24,8 +24,9 @@ The recipe, in the order :func:`train_sft` runs it:
   GRPO run; training stops at the first evaluation whose mean reward reaches ``stop_at_reward`` (the
   paper's starting point is 0.25), or at ``max_steps`` / ``max_minutes``, keeping the best weights.
 
-What each choice changed, and what was tried and dropped, with the commands and figures:
-``docs/experiments.md``.
+The expert data and the drills are built in :mod:`sinkflex_core.sft_data` (their names are also
+importable from here). What each choice changed, and what was tried and dropped, with the commands
+and figures: ``docs/experiments.md``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import hashlib
 import json
 import math
 import sys
@@ -45,6 +45,28 @@ import numpy as np
 import torch
 
 from .models import DEFAULT_VOCAB_SIZE
+from .sft_data import (  # noqa: F401  (re-exported: sft.<name> stays valid)
+    RECALL_FILLER_WORDS,
+    add_copy_rows,
+    add_drill_rows,
+    collate,
+    copy_drill_batch,
+    copy_drills,
+    drill_batch,
+    drill_row_count,
+    episode_openings,
+    expert_examples,
+    identity_batch,
+    length_batches,
+    name_swap_groups,
+    number_swap_group,
+    recall_drills,
+    recall_tokens,
+    swap_names,
+    token_texts,
+    value_start_mask,
+    value_start_tokens,
+)
 from .train import (
     COMPACT_SYSTEM_PROMPT,
     ConfigError,
@@ -180,180 +202,6 @@ class SFTConfig:
                              seed=seed, system_prompt=self.system_prompt, include_tools=self.include_tools)
 
 
-# --------------------------------------------------------------------------------------------------
-# Expert data
-# --------------------------------------------------------------------------------------------------
-
-
-def expert_examples(tokenizer, cfg: SFTConfig, task_indices: list[int], split: str = "train",
-                    cache_dir: Path | None = None) -> list[dict[str, torch.Tensor]]:
-    """One example per task the oracle solves: ``{"input_ids": (L,), "loss_mask": (L,)}`` long tensors,
-    cut at ``max_total_tokens``. Cached under ``cache_dir`` (a key of the tokenizer, tasks and settings)."""
-    from .rollout import AgentBackend, collect_rollouts
-
-    key = hashlib.sha256(json.dumps({
-        "vocab": sorted(tokenizer.get_vocab().items()), "template": tokenizer.chat_template, "env": cfg.env_id,
-        "split": split, "tasks": task_indices, "system": cfg.system_prompt, "tools": cfg.include_tools,
-        "turns": cfg.max_turns, "new": cfg.max_new_tokens_per_turn,
-        "max_total": cfg.max_total_tokens}, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir / f"expert-{key}.pt" if cache_dir is not None else None
-    if path is not None and path.is_file():
-        return torch.load(path, weights_only=True)
-    # The oracle's episodes are played without a length limit and cut afterwards, so that every
-    # task contributes (its first max_total_tokens tokens).
-    rcfg = dataclasses.replace(cfg.rollout_config(), max_total_tokens=1 << 20, max_new_tokens_per_turn=4096,
-                               max_turns=max(cfg.max_turns, 64))
-    out = []
-    bar = None
-    if cfg.progress and len(task_indices) > 200:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(task_indices), desc=f"expert episodes ({split})", unit="task", dynamic_ncols=True,
-                   file=sys.stderr)
-    try:
-        for i in range(0, len(task_indices), 50):
-            chunk = task_indices[i:i + 50]
-            batch = collect_rollouts(AgentBackend(tokenizer), tokenizer, cfg.env_id, chunk, split, rcfg)
-            for row in range(len(batch)):
-                if float(batch.rewards[row]) < 1.0:  # keep only episodes the oracle solved
-                    continue
-                n = min(int(batch.attention_mask[row].sum()), cfg.max_total_tokens)
-                out.append({"input_ids": batch.input_ids[row, :n].clone(),
-                            "loss_mask": batch.loss_mask[row, :n].clone()})
-            if bar is not None:
-                bar.update(len(chunk))
-    finally:
-        if bar is not None:
-            bar.close()
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save(out, tmp)
-        tmp.replace(path)
-    return out
-
-
-def episode_openings(examples: list[dict[str, torch.Tensor]], tool_call_id: int) -> list[dict[str, torch.Tensor]]:
-    """Each example cut after the expert's first turn that calls a tool (the turn with ``tool_call_id``,
-    through its end-of-turn token); examples without such a turn are skipped.
-
-    In the retail world that first call is the identity lookup: the e-mail, or the name and zip code,
-    read out of the customer's sentence, which a tiny model learns last. An opening is about a fifth
-    of an episode's tokens, so repeating the openings (``SFTConfig.opening_copies``) adds many such
-    lookups per optimizer step for few tokens; renamed and renumbered afresh each time they are drawn
-    (:func:`swap_names`), the copies are different lookups."""
-    out = []
-    for e in examples:
-        ids, mask = e["input_ids"], e["loss_mask"].bool()
-        calls = ((ids == tool_call_id) & mask).nonzero().flatten()
-        if not len(calls):
-            continue
-        after = (~mask[int(calls[0]):]).nonzero().flatten()  # the first non-expert token after the call
-        end = int(calls[0]) + int(after[0]) if len(after) else len(ids)
-        out.append({"input_ids": ids[:end].clone(), "loss_mask": e["loss_mask"][:end].clone()})
-    return out
-
-
-def identity_batch(openings: list[dict[str, torch.Tensor]], rows: int, rng: np.random.Generator, pad_id: int,
-                   value_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                   groups: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """``rows`` episode openings (:func:`episode_openings`) drawn at random, renamed with ``groups``
-    (:func:`swap_names`; none: as they are), as a batch in the layout of :func:`collate` whose loss
-    mask keeps only the first token of each value the expert writes in the opening's tool call
-    (:func:`value_start_mask`, tables from :func:`value_start_tokens`): the tool's name and the
-    identity lookup's e-mail, or first name, last name and zip code, read out of the customer's
-    sentence. All rows are marked in ``copy_rows``, so :func:`sft_loss` scores only those tokens and
-    averages over them.
-
-    A full episode has a few such tokens among about a thousand, and the tiny model learns the
-    conversation's form and copying from records long before it reads the customer's sentence; scored
-    alone, with a loss of their own, these lookups are learned in a few hundred steps (see the module
-    docstring)."""
-    if not openings:
-        raise ValueError("identity_batch needs at least one episode opening")
-    picked = [openings[int(i)] for i in rng.integers(0, len(openings), rows)]
-    if groups:
-        picked = [swap_names(e, groups, rng) for e in picked]
-    batch = collate(picked, pad_id)
-    batch["loss_mask"] = value_start_mask(batch["input_ids"], batch["loss_mask"], *value_tables).to(
-        batch["loss_mask"].dtype)
-    batch["copy_rows"] = torch.ones(rows, dtype=torch.bool)
-    return batch
-
-
-def length_batches(lengths: list[int], batch_tokens: int, rng: np.random.Generator) -> list[list[int]]:
-    """Indices grouped into batches of similar length whose padded size (rows x longest) stays within
-    ``batch_tokens``; examples are sorted by length (those of equal length in random order), so an
-    epoch's batches change little from one epoch to the next, and the batch order is random."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], rng.random()))
-    batches, cur, longest = [], [], 0
-    for i in order:
-        new_longest = max(longest, lengths[i])
-        if cur and new_longest * (len(cur) + 1) > batch_tokens:
-            batches.append(cur)
-            cur, new_longest = [], lengths[i]
-        cur.append(i)
-        longest = new_longest
-    if cur:
-        batches.append(cur)
-    rng.shuffle(batches)
-    return batches
-
-
-def collate(examples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded (B, L) ``input_ids``, ``attention_mask``, ``loss_mask``, ``position_ids``."""
-    L = max(len(e["input_ids"]) for e in examples)
-    B = len(examples)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    att = torch.zeros((B, L), dtype=torch.long)
-    mask = torch.zeros((B, L), dtype=torch.float32)
-    pos = torch.zeros((B, L), dtype=torch.long)
-    for i, e in enumerate(examples):
-        n = len(e["input_ids"])
-        ids[i, :n], att[i, :n], mask[i, :n], pos[i, :n] = e["input_ids"], 1, e["loss_mask"].float(), torch.arange(n)
-    return {"input_ids": ids, "attention_mask": att, "loss_mask": mask, "position_ids": pos}
-
-
-def token_texts(tokenizer) -> list[str]:
-    """The text of every id of ``tokenizer``'s vocabulary, each decoded alone."""
-    return tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-
-
-def value_start_tokens(tokenizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Three boolean tables over the vocabulary for :func:`value_start_mask`: tokens that open a JSON
-    string value (``"``, `` "``, ``["``, `` "#``), those of them that end in ``#`` (an order id, whose
-    ``W`` is the same in every id), and tokens that end a key (``":``)."""
-    texts = token_texts(tokenizer)
-    opens, hashes, keys = (torch.zeros(len(texts), dtype=torch.bool) for _ in range(3))
-    for i, text in enumerate(texts):
-        text = text.strip()
-        opens[i] = text in ('"', '["', '"#', '["#')
-        hashes[i] = opens[i] and text.endswith("#")
-        keys[i] = text.endswith(":")
-    return opens, hashes, keys
-
-
-def value_start_mask(input_ids: torch.Tensor, loss_mask: torch.Tensor, opens: torch.Tensor,
-                     hashes: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Where the expert writes the first token of an argument's value in a tool call (``"zip": "``
-    -> the ``921`` of ``92181``; for an order id ``"#W``, the first digits): the token that says
-    *which* value the agent copies from the conversation (a name or zip code the customer typed, an
-    id from a record), or which tool it calls. Boolean, the shape of ``input_ids``; tables from
-    :func:`value_start_tokens`.
-
-    These are about 5 % of the expert's tokens (708 of 15,316 on the oracle's episodes of 60 test
-    tasks) and the hardest ones (a lookup in the context); the conversation's form is learned long
-    before them, so ``SFTConfig.value_loss_weight`` can weigh them more."""
-    ids = input_ids.clamp(0, len(opens) - 1)
-    out = torch.zeros_like(input_ids, dtype=torch.bool)
-    n = input_ids.shape[-1]
-    if n >= 3:  # key, opener, value
-        out[..., 2:] = keys[ids[..., :-2]] & opens[ids[..., 1:-1]] & ~hashes[ids[..., 1:-1]]
-    if n >= 4:  # key, opener ending in '#', the constant letter, value
-        out[..., 3:] |= keys[ids[..., :-3]] & hashes[ids[..., 1:-2]]
-    return out & loss_mask.bool()
-
-
 def sft_loss(policy: TokenLogprobs, batch: dict[str, torch.Tensor],
              context_weight: float = 0.0, value_weight: float = 1.0) -> tuple[torch.Tensor, int]:
     """Weighted mean negative log-likelihood and the number of expert tokens (loss mask 1).
@@ -375,219 +223,6 @@ def sft_loss(policy: TokenLogprobs, batch: dict[str, torch.Tensor],
     weight[:, 0] = 0
     n = int(mask.sum())
     return -(logp * weight).sum() / weight.sum().clamp(min=1), n
-
-
-def copy_drills(rows: int, length: int, token_ids: torch.Tensor, rng: np.random.Generator
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows`` copy drills of ``length`` tokens: a random segment of ``token_ids`` (8 tokens to half
-    the row) repeated to the row's length. Returns ``(input_ids, loss_mask)``, the mask set on the
-    repeats only, which nothing but copying from the context can predict."""
-    ids = torch.empty((rows, length), dtype=torch.long)
-    mask = torch.zeros((rows, length), dtype=torch.float32)
-    for r in range(rows):
-        m = int(rng.integers(8, max(9, length // 2) + 1))
-        segment = token_ids[torch.from_numpy(rng.integers(0, len(token_ids), m))]
-        ids[r] = segment.repeat(-(-length // m))[:length]
-        mask[r, m:] = 1
-    return ids, mask
-
-
-def copy_drill_batch(rows: int, length: int, token_ids: torch.Tensor, rng: np.random.Generator
-                     ) -> dict[str, torch.Tensor]:
-    """A batch of :func:`copy_drills` in the layout of :func:`collate` (all rows marked as drills)."""
-    return drill_batch(*copy_drills(rows, length, token_ids, rng))
-
-
-def drill_batch(ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Drill rows ``ids`` / ``mask`` as a batch in the layout of :func:`collate`, all marked in
-    ``copy_rows`` (:func:`sft_loss` scores only their masked tokens)."""
-    rows, length = ids.shape
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask,
-            "position_ids": torch.arange(length).expand(rows, length), "copy_rows": torch.ones(rows, dtype=torch.bool)}
-
-
-def drill_row_count(rows: int, fraction: float) -> int:
-    """How many drill rows make about ``fraction`` of a batch of ``rows`` expert rows plus them (at least one)."""
-    return max(1, round(rows * fraction / (1 - fraction)))
-
-
-def add_copy_rows(batch: dict[str, torch.Tensor], fraction: float, token_ids: torch.Tensor,
-                  rng: np.random.Generator) -> dict[str, torch.Tensor]:
-    """``batch`` with :func:`copy_drills` appended, as long as its rows, about ``fraction`` of all
-    rows (at least one).
-
-    A pretrained LLM arrives with induction heads (attend to what followed the previous occurrence
-    of the current tokens, copy it); a tiny model trained from scratch on a few thousand
-    conversations does not form them, and then cannot continue an id it has started to copy. Drills
-    are the classic way to make them form; from random weights they need many steps to leave the
-    loss plateau (see :func:`sinkflex_core.models.init_previous_token_heads`)."""
-    B, L = batch["input_ids"].shape
-    return add_drill_rows(batch, *copy_drills(drill_row_count(B, fraction), L, token_ids, rng))
-
-
-def add_drill_rows(batch: dict[str, torch.Tensor], ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``batch`` with drill rows ``ids`` / ``mask`` (as long as its rows) appended and marked in
-    ``copy_rows``, where :func:`sft_loss` scores only their masked tokens."""
-    extra = drill_batch(ids, mask.to(batch["loss_mask"].dtype))
-    before = batch.get("copy_rows", torch.zeros(len(batch["input_ids"]), dtype=torch.bool))
-    return {k: torch.cat([before if k == "copy_rows" else batch[k], v]) for k, v in extra.items()}
-
-
-RECALL_FILLER_WORDS = ("is", "am", "are", "to", "of", "my", "the", "at", "in", "for")
-
-
-def recall_tokens(tokenizer, examples: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens of :func:`recall_drills`: ``(token_ids, fillers)``, every token that occurs in
-    ``examples`` but pad and end-of-text (``all_special_ids`` names only those two here: the chat's
-    ``<|im_start|>`` and tool tags are drawn too), and those of them that may stand between a key and its value: tokens
-    without a letter or digit (a space, quotes, ``":``, a comma) and a few short words (``is``, ``am``...)."""
-    special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
-    seen = torch.unique(torch.cat([e["input_ids"] for e in examples]))
-    seen = seen[~torch.isin(seen, special)]
-    texts = token_texts(tokenizer)
-    filler = torch.tensor([bool(texts[i]) and (not any(c.isalnum() for c in texts[i])
-                                               or texts[i].strip() in RECALL_FILLER_WORDS) for i in seen.tolist()])
-    return seen, seen[filler]
-
-
-def recall_drills(rows: int, length: int, token_ids: torch.Tensor, fillers: torch.Tensor,
-                  rng: np.random.Generator, fact_fillers: tuple[int, int] = (1, 1),
-                  ask_fillers: tuple[int, int] = (1, 2)) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows`` key-value recall drills of ``length`` tokens. A block states 2-6 facts ``key SEP
-    value`` (a key token, ``fact_fillers`` (min, max) of the ``fillers``, a value of 1-3 other tokens)
-    among random tokens, then asks each key again after other fillers (``ask_fillers``), ``key SEP'
-    value``; only those values are scored. Blocks follow one another to the row's length (random
-    tokens in front), each with its own keys.
-
-    This is the lookup of the retail world's identity call: the customer writes ``zip 92181``, a record
-    ``"zip":"92181"`` (one token between key and value), the call needs ``"zip": "92181"`` (two). The
-    token just before the value differs, so plain induction (match the current token,
-    :func:`copy_drills`) does not find it: the model must match the key two tokens back, which the
-    default layout drills. The e-mail (``email is lucia...``: three tokens) needs ``fact_fillers=(1, 3)``.
-    Returns ``(input_ids, loss_mask)``."""
-    ids = torch.empty((rows, length), dtype=torch.long)
-    mask = torch.zeros((rows, length), dtype=torch.float32)
-    key_ids = token_ids[~torch.isin(token_ids, fillers)]
-
-    def draw(pool: torch.Tensor, k: int, avoid: torch.Tensor) -> list[int]:
-        t = pool[torch.from_numpy(rng.integers(0, len(pool), k))]
-        return t[~torch.isin(t, avoid)].tolist()
-
-    for r in range(rows):
-        body: list[int] = []
-        score: list[bool] = []
-        used = torch.empty(0, dtype=torch.long)
-        tries = 0
-        while True:
-            n = int(rng.integers(2, 7))
-            fresh = key_ids[~torch.isin(key_ids, used)]  # a key of an earlier block would be asked with two values
-            keys = fresh[torch.from_numpy(rng.choice(len(fresh), min(n, len(fresh)), replace=False))]
-            avoid = torch.cat([used, keys])
-            values = []
-            while len(values) < len(keys):  # values: 1-3 tokens that are neither fillers nor keys
-                values += [v] if (v := draw(key_ids, int(rng.integers(1, 4)), avoid)) else []
-            b_ids: list[int] = []
-            b_score: list[bool] = []
-            for j, scored in [(int(j), False) for j in rng.permutation(len(keys))] + \
-                             [(int(j), True) for j in rng.permutation(len(keys))]:
-                b_ids += draw(token_ids, int(rng.integers(0, 7 if scored else 13)), avoid) + [int(keys[j])]
-                lo, hi = ask_fillers if scored else fact_fillers
-                b_ids += fillers[torch.from_numpy(rng.integers(0, len(fillers), int(rng.integers(lo, hi + 1))))].tolist()
-                b_score += [False] * (len(b_ids) - len(b_score)) + [scored] * len(values[j])
-                b_ids += values[j]
-            if len(body) + len(b_ids) > length:
-                tries += 1
-                if body or tries >= 20:  # the row is full (a short row: try smaller blocks first)
-                    break
-                continue
-            body += b_ids
-            score += b_score
-            used = avoid
-        head = draw(token_ids, 2 * (length - len(body)) + 8, used)[:length - len(body)]
-        head += [int(fillers[0])] * (length - len(body) - len(head))
-        ids[r] = torch.tensor(head + body, dtype=torch.long)
-        mask[r, len(head):] = torch.tensor(score, dtype=torch.float32)
-    return ids, mask
-
-
-def name_swap_groups(tokenizer, examples: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-    """Groups of token ids that :func:`swap_names` permutes among themselves: the retail world's
-    first names, last names, street names and one-word cities, each a ``(k, forms)`` long tensor
-    (capitalised, and lowercase for the names that also appear in e-mails and user ids).
-
-    A word is kept only where renaming it cannot change any other text: it is one token in every
-    form, belongs to one group, is not a word of the catalogue (``green`` is a last name and a
-    colour), and in ``examples`` is never glued to other letters."""
-    from .envs import retail_world as world
-
-    text = token_texts(tokenizer)
-    letter_start = torch.tensor([bool(t) and t[0].isalpha() for t in text])
-    letter_end = torch.tensor([bool(t) and t[-1].isalpha() for t in text])
-    other_words = {w.lower() for values in world.OPTION_VALUES.values() for w in values}
-    for name, *_ in world.PRODUCTS:
-        other_words.update(w.lower() for w in name.replace("-", " ").split())
-    candidates = [
-        [(w.capitalize(), w) for w in world.FIRST_NAMES],
-        [(w.capitalize(), w) for w in world.LAST_NAMES],
-        [(w,) for w in world.STREETS],
-        [(city,) for city, _ in world.CITIES if " " not in city],
-    ]
-    seen: dict[str, int] = {}
-    for group in candidates:
-        for forms in group:
-            for f in forms:
-                seen[f] = seen.get(f, 0) + 1
-    glued: set[int] = set()
-    if examples:
-        ids = torch.cat([e["input_ids"] for e in examples[:2000]])
-        glued_here = torch.zeros_like(ids, dtype=torch.bool)
-        glued_here[1:] |= letter_end[ids[:-1]]
-        glued_here[:-1] |= letter_start[ids[1:]]
-        glued = set(ids[glued_here].tolist())
-    groups = []
-    for group in candidates:
-        rows = []
-        for forms in group:
-            encoded = [tokenizer.encode(f, add_special_tokens=False) for f in forms]
-            tok_ids = [e[0] if len(e) == 1 else None for e in encoded]
-            if any(t is None or t in glued for t in tok_ids) or any(seen[f] > 1 for f in forms) \
-                    or forms[-1].lower() in other_words:
-                continue
-            rows.append(tok_ids)
-        if len(rows) >= 2:
-            groups.append(torch.tensor(rows, dtype=torch.long))
-    return groups
-
-
-def number_swap_group(tokenizer) -> torch.Tensor:
-    """The tokens of exactly three digits, as one :func:`swap_names` group (``(k, 1)``).
-
-    The tokenizer splits digit runs into groups of three from the left
-    (:func:`sinkflex_core.models.train_tokenizer`), so the first token of every id, zip code, street
-    number and price of 100 or more is one of these. Permuting them, the same way everywhere in an
-    episode, renumbers every such value consistently (the zip the customer types, the one in the call
-    and the one in the record stay equal; an order id stays the same id wherever it appears), while
-    the length of each number, its shorter groups, and prices' cents stay as they were. Without it,
-    the training users' orders are a key a tiny model can use to remember their zip codes, e-mails and
-    items instead of reading them from the conversation."""
-    ids = [i for i, t in enumerate(token_texts(tokenizer)) if len(t) == 3 and t.isdigit()]
-    return torch.tensor(ids, dtype=torch.long).reshape(-1, 1)
-
-
-def swap_names(example: dict[str, torch.Tensor], groups: list[torch.Tensor], rng: np.random.Generator
-               ) -> dict[str, torch.Tensor]:
-    """``example`` with the words of each of :func:`name_swap_groups`' groups permuted at random, the
-    same way everywhere in the episode (the customer's sentence, the tool calls, the records, the
-    e-mail and the user id), so the episode stays consistent.
-
-    The training users are few (the synthetic tasks reuse them), so a tiny model can lower its loss
-    by remembering who has which zip code, e-mail and orders instead of reading them from the
-    conversation, and then fails on the test users. Renamed episodes make remembering useless."""
-    ids = example["input_ids"]
-    table = torch.arange(max([int(ids.max())] + [int(g.max()) for g in groups]) + 1)
-    for g in groups:
-        table[g] = g[torch.from_numpy(rng.permutation(len(g)))]
-    return {**example, "input_ids": table[ids]}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -743,21 +378,75 @@ def drill_warmup(policy: TokenLogprobs, cfg: SFTConfig, steps: int, desc: str, m
     return losses
 
 
+@dataclass
+class _Ingredients:
+    """What the SFT loop builds its batches from, made once before it (:func:`_prepare`)."""
+    tokenizer: object
+    data: list[dict[str, torch.Tensor]]
+    openings: list[dict[str, torch.Tensor]]
+    val_ids: list[int]
+    pad: int
+    copy_tokens: torch.Tensor
+    recall: tuple[torch.Tensor, torch.Tensor] | None
+    swap_groups: list[torch.Tensor]
+    number_group: list[torch.Tensor]
+    identity_groups: list[torch.Tensor]
+    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+
+
+@dataclass
+class _Progress:
+    """The loop's state: optimizer steps and epochs done, the loss sums since the last evaluation,
+    the evaluations so far and the best weights."""
+    t0: float
+    step: int = 0
+    epoch: int = 0
+    stopped: bool = False
+    loss_sum: float = 0.0
+    tok_sum: int = 0
+    id_sum: float = 0.0
+    id_steps: int = 0
+    best_reward: float = -1.0
+    best_state: dict[str, torch.Tensor] | None = None
+    history: list[dict] = dataclasses.field(default_factory=list)
+
+
 def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     """Build the tiny policy, train it on expert episodes, stop early; save it (``save_pretrained``
     with its tokenizer, plus ``sft_history.csv`` and ``sft_config.json``) to ``cfg.out_dir``."""
-    import gymnasium as gym
-
-    import sinkflex_core  # noqa: F401  (registers the environments)
-
-    from . import models
-    from .paths import build_dir
-
     cfg.validate()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
+    # one generator for every random draw, in a fixed order: a run is repeatable from cfg.seed
     rng = np.random.default_rng(cfg.seed)
+    val_ids, n_train = _task_split(cfg)
+    tokenizer, data, openings = _expert_data(cfg, n_train)
+    policy = TokenLogprobs(_build_model(cfg, tokenizer))
+    kit = _prepare(policy, cfg, tokenizer, data, openings, val_ids, rng)
+    out_dir = Path(cfg.out_dir) if save else None
+    progress = _train_loop(policy, cfg, kit, rng, out_dir)
+    model = policy.lm
+    if cfg.keep_best and progress.best_state is not None:
+        model.load_state_dict(progress.best_state)
+    model.eval()
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        (out_dir / "sft_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
+        _write_history(out_dir / "sft_history.csv", progress.history)
+    return SFTResult(model=model, tokenizer=tokenizer, history=progress.history, steps=progress.step,
+                     stopped_early=progress.stopped, out_dir=out_dir)
+
+
+def _task_split(cfg: SFTConfig) -> tuple[list[int], int]:
+    """The validation tasks (the last ``cfg.val_tasks`` of the ``"train"`` split) and how many tasks of
+    ``cfg.expert_split`` the expert plays (its first ones, never a validation task)."""
+    import gymnasium as gym
+
+    import sinkflex_core  # noqa: F401  (registers the environments)
+
     def num_tasks(split: str) -> int:
         env = gym.make(cfg.env_id, split=split)
         try:
@@ -774,6 +463,15 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     else:
         n_available = num_tasks(cfg.expert_split)
         n_train = min(cfg.train_tasks or n_available, n_available)
+    return val_ids, n_train
+
+
+def _expert_data(cfg: SFTConfig, n_train: int) -> tuple[object, list[dict[str, torch.Tensor]],
+                                                         list[dict[str, torch.Tensor]]]:
+    """The tokenizer, the expert's episodes of the first ``n_train`` tasks (with ``cfg.opening_copies``
+    copies of their openings appended) and the openings (empty where no option needs them)."""
+    from . import models
+    from .paths import build_dir
 
     tokenizer = models.load_tokenizer(cfg.init_from) if cfg.init_from else models.get_tokenizer(cfg.vocab_size)
     data = expert_examples(tokenizer, cfg, list(range(n_train)), split=cfg.expert_split,
@@ -789,19 +487,33 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
         data = data + openings * cfg.opening_copies
         print(f"sft: {len(openings)} episode openings x {cfg.opening_copies} added "
               f"({sum(len(e['input_ids']) for e in openings) * cfg.opening_copies:,} tokens)", file=sys.stderr)
+    return tokenizer, data, openings
+
+
+def _build_model(cfg: SFTConfig, tokenizer) -> torch.nn.Module:
+    """The saved policy of ``cfg.init_from``, or a new tiny model (with previous-token heads where
+    ``cfg.previous_token_heads``), in training mode."""
+    from . import models
+
     if cfg.init_from:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(cfg.init_from, attn_implementation="sdpa").train()
-    else:
-        mcfg = models.tiny_qwen2_config(vocab_size=max(cfg.vocab_size, len(tokenizer)), hidden_size=cfg.hidden_size,
-                                        num_layers=cfg.num_layers, num_heads=cfg.num_heads or None,
-                                        num_kv_heads=cfg.num_kv_heads or None, tokenizer=tokenizer)
-        mcfg._attn_implementation = "sdpa"
-        model = models.build_model(mcfg, seed=cfg.seed).train()
-        if cfg.previous_token_heads:
-            models.init_previous_token_heads(model, n_pos=cfg.max_total_tokens)
-    policy = TokenLogprobs(model)
+        return AutoModelForCausalLM.from_pretrained(cfg.init_from, attn_implementation="sdpa").train()
+    mcfg = models.tiny_qwen2_config(vocab_size=max(cfg.vocab_size, len(tokenizer)), hidden_size=cfg.hidden_size,
+                                    num_layers=cfg.num_layers, num_heads=cfg.num_heads or None,
+                                    num_kv_heads=cfg.num_kv_heads or None, tokenizer=tokenizer)
+    mcfg._attn_implementation = "sdpa"
+    model = models.build_model(mcfg, seed=cfg.seed).train()
+    if cfg.previous_token_heads:
+        models.init_previous_token_heads(model, n_pos=cfg.max_total_tokens)
+    return model
+
+
+def _prepare(policy: TokenLogprobs, cfg: SFTConfig, tokenizer, data: list[dict[str, torch.Tensor]],
+             openings: list[dict[str, torch.Tensor]], val_ids: list[int], rng: np.random.Generator) -> _Ingredients:
+    """The drills' tokens, the renaming groups and the value tables, with the warm-ups that use them
+    run on ``policy`` as soon as their ingredients exist (copy, recall, identity: the order of the
+    recorded runs, whose random draws come from ``rng`` in that order)."""
     # every id but pad and end-of-text (the only two all_special_ids names): the drills, as recorded, also
     # copy the chat tokens and the ~630 reserved ids that the episodes never contain
     special = set(tokenizer.all_special_ids)
@@ -825,112 +537,131 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     identity_groups = swap_groups + ([numbers] if len(numbers) else []) if openings else []
     if cfg.identity_warmup_steps:
         identity_warmup(policy, cfg, openings, identity_groups, pad, tables, rng)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    horizon = cfg.schedule_steps or cfg.max_steps
-
-    def lr_at(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return cfg.lr * (step + 1) / cfg.warmup_steps
-        done = min(1.0, (step - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps))
-        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done)))
-
-    out_dir = Path(cfg.out_dir) if save else None
-    history: list[dict] = []
-    lengths = [len(e["input_ids"]) for e in data]
     number_group = [numbers] if cfg.swap_numbers and len(numbers) else []
     if number_group:
         print(f"sft: renumbering {cfg.swap_numbers:.0%} of the episodes ({len(number_group[0])} three-digit tokens)",
               file=sys.stderr)
+    return _Ingredients(tokenizer=tokenizer, data=data, openings=openings, val_ids=val_ids, pad=pad,
+                        copy_tokens=copy_tokens, recall=recall, swap_groups=swap_groups, number_group=number_group,
+                        identity_groups=identity_groups, tables=tables)
+
+
+def _lr_at(cfg: SFTConfig, step: int) -> float:
+    """The learning rate of optimizer step ``step``: linear warm-up, then cosine decay to
+    ``cfg.min_lr_ratio`` of ``cfg.lr`` over ``cfg.schedule_steps`` (default ``cfg.max_steps``)."""
+    horizon = cfg.schedule_steps or cfg.max_steps
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    done = min(1.0, (step - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done)))
+
+
+def _train_loop(policy: TokenLogprobs, cfg: SFTConfig, kit: _Ingredients, rng: np.random.Generator,
+                out_dir: Path | None) -> _Progress:
+    """Epochs of length-grouped batches until ``cfg.max_steps``, ``cfg.max_minutes`` or an evaluation
+    reaching ``cfg.stop_at_reward``; evaluates every ``cfg.eval_every`` steps and after the last."""
+    opt = torch.optim.AdamW(policy.lm.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    lengths = [len(e["input_ids"]) for e in kit.data]
     bar = None
     if cfg.progress:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.max_steps, desc="sft", unit="step", dynamic_ncols=True, file=sys.stderr)
-    t0 = time.perf_counter()
-    step, epoch, stopped, done = 0, 0, False, False
-    best_reward, best_state = -1.0, None
-    loss_sum, tok_sum, id_sum, id_steps = 0.0, 0, 0.0, 0
+    progress = _Progress(t0=time.perf_counter())
+    done = False
     try:
         while not done:
             for idx in length_batches(lengths, cfg.batch_tokens, rng):
-                rows = [data[i] for i in idx]
-                if cfg.swap_names:
-                    rows = [swap_names(e, swap_groups, rng) if rng.random() < cfg.swap_names else e for e in rows]
-                if number_group:
-                    rows = [swap_names(e, number_group, rng) if rng.random() < cfg.swap_numbers else e for e in rows]
-                batch = collate(rows, pad)
-                B, L = batch["input_ids"].shape
-                if cfg.copy_fraction:
-                    batch = add_copy_rows(batch, cfg.copy_fraction, copy_tokens, rng)
-                if cfg.recall_fraction:
-                    batch = add_drill_rows(batch, *recall_drills(drill_row_count(B, cfg.recall_fraction), L, *recall,
-                                                                 rng, fact_fillers=(1, cfg.recall_fact_fillers)))
-                if cfg.value_loss_weight != 1.0:
-                    batch["value_mask"] = value_start_mask(batch["input_ids"], batch["loss_mask"], *tables)
-                for g in opt.param_groups:
-                    g["lr"] = lr_at(step)
-                loss, n = sft_loss(policy, batch, cfg.context_loss_weight, cfg.value_loss_weight)
-                expert_loss = loss.item()
-                if cfg.identity_rows:
-                    id_loss, _ = sft_loss(policy, identity_batch(openings, cfg.identity_rows, rng, pad, tables,
-                                                                 identity_groups))
-                    id_sum, id_steps = id_sum + id_loss.item(), id_steps + 1
-                    loss = loss + id_loss
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                step += 1
-                loss_sum += expert_loss * n
-                tok_sum += n
+                expert_loss = _optimizer_step(policy, opt, cfg, kit, _expert_batch(cfg, kit, idx, rng), rng, progress)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{expert_loss:.3f}", refresh=False)
-                done = step >= cfg.max_steps or (time.perf_counter() - t0) / 60 >= cfg.max_minutes
-                if step % cfg.eval_every == 0 or done:
-                    ev = evaluate_policy(model, tokenizer, cfg, val_ids, samples=cfg.eval_samples,
-                                         temperature=cfg.eval_temperature, seed=cfg.seed)
-                    row = {"step": step, "epoch": epoch, "loss": loss_sum / max(1, tok_sum), "lr": lr_at(step),
-                           "val_reward": ev["reward"], "val_success": ev["success"], "val_turns": ev["turns"],
-                           "elapsed_s": time.perf_counter() - t0, "best": False}
-                    if cfg.identity_rows:  # the mean loss of the identity batches since the last evaluation
-                        row["identity_loss"] = id_sum / max(1, id_steps)
-                    history.append(row)
-                    loss_sum, tok_sum, id_sum, id_steps = 0.0, 0, 0.0, 0
-                    if cfg.keep_best and ev["reward"] >= best_reward:
-                        best_reward = ev["reward"]
-                        best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-                        row["best"] = True
-                    msg = f"sft step {step}: loss {row['loss']:.4f}, validation reward {ev['reward']:.3f}"
-                    if bar is not None:
-                        bar.write(msg)
-                    else:  # without a progress bar the evaluations are still logged
-                        print(msg, file=sys.stderr)
-                    if out_dir is not None:
-                        _write_history(out_dir / "sft_history.csv", history)
-                        if cfg.save_snapshots:
-                            snap = out_dir / "snapshots" / f"step_{step:06d}"
-                            model.save_pretrained(snap)
-                            tokenizer.save_pretrained(snap)
-                    if cfg.stop_at_reward > 0 and ev["reward"] >= cfg.stop_at_reward and step >= cfg.min_steps:
-                        stopped = done = True
+                done = progress.step >= cfg.max_steps or (time.perf_counter() - progress.t0) / 60 >= cfg.max_minutes
+                if progress.step % cfg.eval_every == 0 or done:
+                    if _evaluate(policy.lm, cfg, kit, progress, bar, out_dir):
+                        progress.stopped = done = True
                 if done:
                     break
-            epoch += 1
+            progress.epoch += 1
     finally:
         if bar is not None:
             bar.close()
-    if cfg.keep_best and best_state is not None:
-        model.load_state_dict(best_state)
-    model.eval()
+    return progress
+
+
+def _expert_batch(cfg: SFTConfig, kit: _Ingredients, idx: list[int], rng: np.random.Generator
+                  ) -> dict[str, torch.Tensor]:
+    """The expert examples ``idx``, renamed and renumbered at random, collated, with the drill rows
+    and the value mask the config asks for."""
+    rows = [kit.data[i] for i in idx]
+    if cfg.swap_names:
+        rows = [swap_names(e, kit.swap_groups, rng) if rng.random() < cfg.swap_names else e for e in rows]
+    if kit.number_group:
+        rows = [swap_names(e, kit.number_group, rng) if rng.random() < cfg.swap_numbers else e for e in rows]
+    batch = collate(rows, kit.pad)
+    B, L = batch["input_ids"].shape
+    if cfg.copy_fraction:
+        batch = add_copy_rows(batch, cfg.copy_fraction, kit.copy_tokens, rng)
+    if cfg.recall_fraction:
+        batch = add_drill_rows(batch, *recall_drills(drill_row_count(B, cfg.recall_fraction), L, *kit.recall,
+                                                     rng, fact_fillers=(1, cfg.recall_fact_fillers)))
+    if cfg.value_loss_weight != 1.0:
+        batch["value_mask"] = value_start_mask(batch["input_ids"], batch["loss_mask"], *kit.tables)
+    return batch
+
+
+def _optimizer_step(policy: TokenLogprobs, opt: torch.optim.Optimizer, cfg: SFTConfig, kit: _Ingredients,
+                    batch: dict[str, torch.Tensor], rng: np.random.Generator, progress: _Progress) -> float:
+    """One optimizer step on ``batch`` (plus an identity batch with ``cfg.identity_rows``); adds to
+    ``progress``'s step and loss sums. Returns the expert batch's loss."""
+    for g in opt.param_groups:
+        g["lr"] = _lr_at(cfg, progress.step)
+    loss, n = sft_loss(policy, batch, cfg.context_loss_weight, cfg.value_loss_weight)
+    expert_loss = loss.item()
+    if cfg.identity_rows:
+        id_loss, _ = sft_loss(policy, identity_batch(kit.openings, cfg.identity_rows, rng, kit.pad, kit.tables,
+                                                     kit.identity_groups))
+        progress.id_sum, progress.id_steps = progress.id_sum + id_loss.item(), progress.id_steps + 1
+        loss = loss + id_loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(policy.lm.parameters(), cfg.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    progress.step += 1
+    progress.loss_sum += expert_loss * n
+    progress.tok_sum += n
+    return expert_loss
+
+
+def _evaluate(model, cfg: SFTConfig, kit: _Ingredients, progress: _Progress, bar, out_dir: Path | None) -> bool:
+    """Play the validation tasks, add a row to ``progress.history`` (and the CSV, and a snapshot where
+    asked), keep the weights if they are the best so far. Returns whether the run should stop here."""
+    step = progress.step
+    ev = evaluate_policy(model, kit.tokenizer, cfg, kit.val_ids, samples=cfg.eval_samples,
+                         temperature=cfg.eval_temperature, seed=cfg.seed)
+    row = {"step": step, "epoch": progress.epoch, "loss": progress.loss_sum / max(1, progress.tok_sum),
+           "lr": _lr_at(cfg, step), "val_reward": ev["reward"], "val_success": ev["success"],
+           "val_turns": ev["turns"], "elapsed_s": time.perf_counter() - progress.t0, "best": False}
+    if cfg.identity_rows:  # the mean loss of the identity batches since the last evaluation
+        row["identity_loss"] = progress.id_sum / max(1, progress.id_steps)
+    progress.history.append(row)
+    progress.loss_sum, progress.tok_sum, progress.id_sum, progress.id_steps = 0.0, 0, 0.0, 0
+    if cfg.keep_best and ev["reward"] >= progress.best_reward:
+        progress.best_reward = ev["reward"]
+        progress.best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        row["best"] = True
+    msg = f"sft step {step}: loss {row['loss']:.4f}, validation reward {ev['reward']:.3f}"
+    if bar is not None:
+        bar.write(msg)
+    else:  # without a progress bar the evaluations are still logged
+        print(msg, file=sys.stderr)
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
-        (out_dir / "sft_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
-        _write_history(out_dir / "sft_history.csv", history)
-    return SFTResult(model=model, tokenizer=tokenizer, history=history, steps=step, stopped_early=stopped,
-                     out_dir=out_dir)
+        _write_history(out_dir / "sft_history.csv", progress.history)
+        if cfg.save_snapshots:
+            snap = out_dir / "snapshots" / f"step_{step:06d}"
+            model.save_pretrained(snap)
+            kit.tokenizer.save_pretrained(snap)
+    return cfg.stop_at_reward > 0 and ev["reward"] >= cfg.stop_at_reward and step >= cfg.min_steps
 
 
 #: The second stage of the recorded SFT start (:func:`identity_stage`): continue a finished SFT run
