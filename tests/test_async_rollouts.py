@@ -31,15 +31,6 @@ TINY = dict(hidden_size=64, num_layers=2, tasks_per_step=2, group_size=2, num_mi
             threads=1, progress=False, tensorboard=False, save_every=1, eval_every=0)
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from sinkflex_core.models import get_tokenizer
-
-    path = tmp_path_factory.mktemp("tokenizer")
-    get_tokenizer().save_pretrained(path)
-    return str(path)
-
-
 def _cfg(tokenizer_dir: str, out: Path, **kw) -> TrainConfig:
     return TrainConfig.from_dict({**TINY, "tokenizer": tokenizer_dir, "out_dir": str(out), **kw})
 

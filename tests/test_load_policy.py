@@ -20,13 +20,6 @@ TINY = dict(hidden_size=64, num_layers=2, tasks_per_step=1, group_size=2, max_to
             window=24)
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tokenizer")
-    get_tokenizer().save_pretrained(path)
-    return str(path)
-
-
 def _move_sinks(model, scale: float = 1.0) -> None:
     """Learned sink logits away from their initial value, as training leaves them."""
     with torch.no_grad():

@@ -31,16 +31,6 @@ COMPARED = ["reward_mean", "loss", "pg_loss", "kl", "entropy", "ratio_mean", "ra
             "tokens_policy", "eval_reward"]
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    """The project tokenizer saved once, so that subprocesses load it in milliseconds."""
-    from sinkflex_core.models import get_tokenizer
-
-    path = tmp_path_factory.mktemp("tokenizer")
-    get_tokenizer().save_pretrained(path)
-    return str(path)
-
-
 def _cfg(tokenizer_dir: str, out: Path, **kw) -> TrainConfig:
     return TrainConfig.from_dict({**TINY, "tokenizer": tokenizer_dir, "out_dir": str(out), **kw})
 
