@@ -1,9 +1,9 @@
 # %% [markdown]
 # # 05 · GRPO training: the paper's learning curve at small scale
 #
-# Puts the pieces together: a tiny Qwen2 policy fine-tuned on the oracle's trajectories (SFT with early stopping at the paper's starting reward of 0.25, which the recorded start never reached: it ended on its time budget at a validation reward of 0.05) is trained with GRPO on the retail store's training tasks that it solves now and then, G sampled episodes per task, group-relative advantages, clipped policy updates and KL to the SFT policy, and evaluated on held-out test tasks (mean reward, pass^k). The plot shows the recorded 3-seed curve from `data/reward_curve.csv` (written by `benchmarks/reproduce_curve.py`) beside this run; with `preset="paper-8xh100"` the notebook prints the torchrun command of the paper's 8-GPU run instead of training.
+# Puts the pieces together: the shipped start policy (a tiny Qwen2 trained from scratch on the retail oracle's episodes, `data/retail-tiny-start/`) is trained with GRPO on the retail store's training tasks, with the paper's sink-aware attention in training and in the rollouts: G sampled episodes per task, group-relative advantages, clipped policy updates and KL to the start, and evaluation on held-out test tasks (mean reward, pass^k). The plot shows the recorded 3-seed curve from `data/reward_curve.csv` (written by `benchmarks/reproduce_curve.py`) beside this run; with `preset="paper-8xh100"` the notebook prints the torchrun command of the paper's 8-GPU run instead of training.
 #
-# Needs: CPU only. Default settings: one seed, about 13 minutes on 2 idle cores (the recorded seeds: 12.9-13.2 minutes), plus the SFT start if it is not cached yet (`runs/curve/sft` then `runs/curve/sft_identity`: about 75 minutes on 2 cores, see the SFT cell) and its screen of the training tasks if that is not cached yet (`runs/curve/train_screen.csv`: about 20 minutes); smoke mode: about a minute (a 2-layer model, 2 steps). With `preset="paper-8xh100"`: seconds (nothing is trained).
+# Needs: CPU only. Default settings: one seed from the shipped start, at most `max_minutes` = 12 minutes of training plus its evaluations (about a quarter of an hour on 2 idle cores); with `train_start=True` the start is trained again first (`python -m sinkflex_core.start`: about an hour on 2 cores, then its measurement); with `screen=True` the start first plays every training task 4 times to keep those it solves sometimes (about an hour on 2 cores, cached in `runs/start/`). Smoke mode: about a minute (a 2-layer stand-in, 2 steps). With `preset="paper-8xh100"`: seconds (nothing is trained).
 
 # %% tags=["parameters"]
 smoke = False
@@ -11,6 +11,8 @@ seed = 0
 preset = "tiny-cpu"
 steps = 40
 max_minutes = 12.0
+train_start = False  # True: train the start again (python -m sinkflex_core.start) instead of loading the shipped one
+screen = False  # True: train only on the training tasks the start solves sometimes (screened once, ~1 hour)
 
 # %%
 from sinkflex_core.notebooks import resolve_smoke
@@ -24,7 +26,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from sinkflex_core import sft, train
+from sinkflex_core import models, sft, start, train
 from sinkflex_core.paths import build_dir, data_dir, figures_dir, repo_root
 
 # %% [markdown]
@@ -59,44 +61,38 @@ if preset == "paper-8xh100":
     print("\npreset paper-8xh100: nothing is trained here; run the command above on a node with 8 GPUs.")
 
 # %% [markdown]
-# ## The SFT start
+# ## The start policy
 #
-# The tiny policy (1.6M parameters: hidden 128, 4 layers, 4 heads of 32 dimensions, a 3,072-id BPE trained on the store's text) learns the tools from the oracle's conversations on 10,000 synthetic tasks over the training users (`expert_split="train"`: the 560 training tasks instead), each episode with its people and places renamed at random (`swap_names`), so that remembering the training users does not pay. A new model first gets previous-token heads and learns to copy on drills alone (800 steps, about 6 minutes on 2 cores, see below); SFT then stops at the first evaluation on held-out training tasks whose mean reward reaches 0.25, or after 3,000 steps / 40 minutes, keeping the weights of its best evaluation. A second stage (`sft.identity_stage`, next section) then teaches the identity lookup: 300 steps on the episodes' openings scored only at the values of the identity call, then 500 SFT steps with 8 such rows beside each batch. Both stages are trained once and shared with the benchmark (`runs/curve/sft`, `runs/curve/sft_identity`; `sft.train_or_reuse` reuses a folder whose saved config is the one asked for). Smoke mode trains a 2-layer stand-in for a few steps.
+# GRPO raises the probability of what a policy already does now and then, so it needs a start that solves some tasks: the paper starts from Qwen2.5-7B-Instruct. Nothing here downloads weights, so the repository ships its own start in `data/retail-tiny-start/`, with a model card (`README.md`: recipe, data, tokens seen, the rewards measured) and the per-layer sink counts estimated from it (`sinkflex_sinks.json`). It is a tiny Qwen2 (1.6M parameters: hidden 128, 4 layers, 4 heads of 32 dimensions, a 3,072-id BPE trained on the store's text) trained from scratch by the SFT recipe of `sinkflex_core.sft` on the oracle's conversations of 10,000 synthetic tasks, with each episode's people and places renamed so that remembering users does not pay. `python -m sinkflex_core.start` regenerates it (`train_start=True` does the same from here).
 #
-# What makes this hard for a model trained from scratch is copying: almost every task needs an id (an email, an order, item or payment-method id) copied from the conversation into a tool call, and a tiny model has no pretraining that taught it to copy. Choices that help, each measured (`docs/experiments.md`): digit runs are tokenized in groups of three, one token per group, so an id is three or four tokens instead of seven to ten; a word is the same token after a space and after a quote, so a name in the customer's sentence and in a tool call are the same tokens; the SFT loss also covers the customer's and the tools' tokens (which repeat ids seen earlier in the episode), which doubled the expert's digit accuracy at equal steps; the policy starts with previous-token heads and a copy warm-up (next section); and the policy is loaded with exactly the tokenizer it was trained with (`models.load_tokenizer`). The left panel below shows the recorded SFT run: the reward it reached is the honest limit of this recipe on a 2-core CPU, and the cell after the next one shows why.
+# The hard part for a model trained from scratch is copying: almost every task needs an id or a name copied from the conversation into a tool call, and a tiny model has no pretraining that taught it to copy. The recipe therefore tokenizes digit runs in groups of three (an id is three or four tokens), keeps a word the same token after a space and after a quote, puts the customer's and the tools' tokens in the loss too (they repeat ids seen earlier), starts from previous-token heads with a copy warm-up on drills, and (second stage) scores the values of the identity call on their own for a few hundred steps. Each of these choices, and the ones that did not help, is measured in `docs/experiments.md`.
+#
+# The next cell loads the start and prints the test reward recorded in its folder: every one of the 120 test tasks played 8 times at temperature 1, with full attention and with the tiny-cpu preset's sink attention, each with a 95 % bootstrap interval over tasks.
 
 # %%
 if preset == "tiny-cpu":
-    if smoke:
+    if smoke:  # a 2-layer stand-in, a few steps: checks the code path, not the recipe
         sft_dir = build_dir() / "nb05_smoke" / "sft"
         scfg = sft.SFTConfig(hidden_size=64, num_layers=2, max_steps=4, eval_every=4, train_tasks=8, val_tasks=2,
                              stop_at_reward=0.0, max_total_tokens=512, max_turns=3, max_new_tokens_per_turn=32,
                              copy_warmup_steps=4, copy_warmup_length=64, out_dir=str(sft_dir), progress=False)
         sft.train_sft(scfg)
-    else:  # both stages are trained once and reused while their configs are unchanged
-        base = sft.train_or_reuse(sft.SFTConfig(out_dir=str(repo_root() / "runs" / "curve" / "sft")))
-        sft_dir = sft.train_or_reuse(sft.identity_stage(base, base.parent / "sft_identity"))
-    hist = pd.read_csv(sft_dir / "sft_history.csv")
-    print(hist.tail(3).to_string(index=False))
+    elif train_start:  # the recipe again: finished parts in runs/start are reused
+        sft_dir = start.build(work_dir=repo_root() / "runs" / "start", screen_samples=4 if screen else 0)
+    else:
+        sft_dir = start.start_dir()
+    if not smoke:
+        print(start.measured_rewards(sft_dir)[["attention", "reward", "low", "high", "tasks", "episodes_per_task"]]
+              .round(3).to_string(index=False))
 
 # %% [markdown]
-# ### Where the SFT policy fails
+# ### Where the start fails
 #
-# `sft.expert_token_accuracy` feeds the oracle's episodes of test tasks (users the policy never saw) to the policy and counts how often its most likely next token is the expert's: the first token of a number (which order, item or payment id to copy), the following tokens of a number (continuing a copy), everything else (tool names, JSON, sentences), and, across those, the first token of each value in the episode's first tool call, the identity lookup (`identity_call`: the tool's name, then the e-mail, or the first name, last name and zip the customer typed).
-#
-# Copying an id needs an induction circuit: a previous-token head, then a head that looks for earlier occurrences of the current token and copies what followed. A tiny model trained from scratch must discover both at once and sits on a loss plateau first: trained on the expert episodes alone, an earlier recipe scored 5 % / 23 % / 97 % on 60 test tasks (and 12 % / 69 % on validation tasks, whose users it had seen: it memorised users). The first stage therefore builds the previous-token heads into the initial weights (`models.init_previous_token_heads`), trains on copy drills alone for 800 steps (loss 8.06 -> 0.34), then on the renamed episodes with 10 % drills kept: **70 % / 92 % / 98 %** on the test tasks, the same on validation tasks. It copies ids from records, but it almost never reads a value out of the customer's sentence: teacher-forced on the 60 test tasks, the e-mail's first token was right 1 time in 36, the first name 3 in 24, the last name 1 in 24, the zip 0 in 24 (identity call: 65 of 168, 60 of them the tool's name).
-#
-# That turned out to be dilution, not a second plateau: those few tokens among about a thousand per episode hardly move the mean loss. Scored on their own (`sft.identity_batch`: episode openings, renamed and renumbered, with only the identity call's first value tokens in the loss) they are learned in a few hundred steps. The second stage (`sft.identity_stage`) does that for 300 steps, then runs 500 SFT steps with 8 such rows and their own loss beside each batch: e-mail 36 of 36, first name 24 of 24, last name 24 of 24 (identity call 144 of 168); the zip stays wrong (0 of 24), and the rest is unchanged (69 % / 92 % / 99 %).
-#
-# The reward barely moved: at GRPO's first evaluation (60 test tasks x 2, temperature 1, each seed sampling its own episodes) the two-stage start scored 0.042 / 0.025 / 0.042 (mean 0.036), the one-stage start 0.025 / 0.033 / 0.042 (mean 0.033); the spread between seeds evaluating one and the same policy is as large as the difference (the current recording, whose rollouts sample differently: 0.067 / 0.042 / 0.058). A task fails when any one of its values is wrong, and the values the customer describes in words are still not read: which items of an order, a new street address, a city (teacher-forced, on a one-off run of this recipe: 0 of 28 item ids, 0 of 18 street addresses, 0 of 18 cities; scoring every tool-call value of whole episodes the same way did not move them). The next cell counts the test tasks that need one of those: they are out of this policy's reach, and what is left also needs every id of the task (order, payment method) copied right, about 70 % each at the first token.
+# `sft.expert_token_accuracy` feeds the oracle's episodes of test tasks (users the policy never saw) to the policy and counts how often its most likely next token is the expert's: the first token of a number (which order, item or payment id to copy), the following tokens of a number (continuing a copy), everything else (tool names, JSON, sentences), and the first token of each value of the identity call (the customer's e-mail, or name and zip). A task fails when any one of its values is wrong, so a first-token accuracy of 70 % on ids is far from enough for a task with four ids. Values the customer only describes in words (a new street address, which items of an order) are harder still: the policy must find them in a sentence, not copy them after a matching token; the cell after the next one counts the test tasks that need one.
 
 # %%
 if preset == "tiny-cpu":
-    from transformers import AutoModelForCausalLM
-
-    from sinkflex_core import models
-
-    sft_policy = AutoModelForCausalLM.from_pretrained(sft_dir)
+    sft_policy = models.load_policy(sft_dir)  # with the attention it was trained with
     sft_tok = models.load_tokenizer(sft_dir)
     test_episodes = sft.expert_examples(sft_tok, sft.SFTConfig(), list(range(4 if smoke else 60)), split="test")
     acc = sft.expert_token_accuracy(sft_policy, sft_tok, test_episodes)
@@ -120,7 +116,7 @@ print(pd.Series(needs).to_string())
 # %% [markdown]
 # ## GRPO, one seed
 #
-# Each step: 8 training tasks, 8 episodes each (temperature 1, as the paper's G = 8), rewards, group advantages, two clipped updates (mini-batches), KL to the SFT policy; test tasks every few steps. A group whose 8 rewards are all equal (at the tiny policy's success rate, usually all 0) has advantage 0 everywhere and teaches nothing: the tiny-cpu preset leaves such groups out of the update (`drop_uniform_groups`; the column `trajectories_updated` counts what was kept), which took the update from 27-32 s to 6-8 s a step in the recorded runs and, with faster rollouts, gave the 12-minute budget 14-16 steps instead of 6-8. Most training tasks give no signal at all: the start solves only some kinds of task (see pass@k below). So the default run trains only on the training tasks that the start solved sometimes but not always in 4 tries each. `train.screen_or_reuse` samples these tries once per start, in about 20 minutes on 2 cores, and writes `runs/curve/train_screen.csv`. The run then passes that file as `task_screen`; `train.screened_tasks` reads it. For the recorded start, 90 of the 600 training tasks pass the screen (`data/train_screen_sft_start.csv`). This is the offline form of DAPO's dynamic sampling. DAPO drops all-equal groups after sampling them; the screen drops their tasks before. The progress bar shows the training reward and the step time; `metrics.csv` in the run folder has every per-step metric. At the end, the run saves the trained policy as a Hugging Face folder, `policy/`, beside its checkpoints. Load it with `models.load_policy`, which restores the attention it was trained with (plain `from_pretrained` would drop its sink settings and learned sinks).
+# Each step: 8 training tasks, 8 episodes each (temperature 1, as the paper's G = 8), rewards, group advantages, two clipped updates (mini-batches), KL to the SFT policy; test tasks every few steps. A group whose 8 rewards are all equal (at the tiny policy's success rate, usually all 0) has advantage 0 everywhere and teaches nothing: the tiny-cpu preset leaves such groups out of the update (`drop_uniform_groups`; the column `trajectories_updated` counts what was kept), which took the update from 27-32 s to 6-8 s a step in the recorded runs and, with faster rollouts, gave the 12-minute budget 14-16 steps instead of 6-8. Most training tasks give no signal at all: the start solves only some kinds of task. With `screen=True` the run trains only on the training tasks that the start solved sometimes but not always in 4 tries each: `train.screen_or_reuse` plays these tries once per start and caches them (`train_screen.csv`, in the start's folder when it ships one, else in `runs/start/`), the run passes that file as `task_screen` and `train.screened_tasks` reads it. This is the offline form of DAPO's dynamic sampling: DAPO drops all-equal groups after sampling them; the screen drops their tasks before. By default (no screen shipped with the start) the run trains on all 600 training tasks. The progress bar shows the training reward and the step time; `metrics.csv` in the run folder has every per-step metric. At the end, the run saves the trained policy as a Hugging Face folder, `policy/`, beside its checkpoints. Load it with `models.load_policy`, which restores the attention it was trained with (plain `from_pretrained` would drop its sink settings and learned sinks).
 #
 # ### SINKFLEX in the loop
 #
@@ -143,9 +139,10 @@ if preset == "tiny-cpu":
                          max_total_tokens=512, max_turns=3, max_new_tokens_per_turn=32, micro_batch_size=4,
                          save_every=0, max_minutes=0.0,
                          drop_uniform_groups=False)  # the random stand-in solves nothing: update on every group
-    else:  # train only on the tasks the start solves sometimes (screened once per start, ~20 min on 2 cores)
-        screen = train.screen_or_reuse(sft_dir, repo_root() / "runs" / "curve" / "train_screen.csv")
-        overrides["task_screen"] = str(screen)
+    elif screen or (sft_dir / "train_screen.csv").is_file():  # only the tasks the start solves sometimes
+        shipped = sft_dir / "train_screen.csv"
+        screen_file = shipped if shipped.is_file() else repo_root() / "runs" / "start" / "train_screen.csv"
+        overrides["task_screen"] = str(train.screen_or_reuse(sft_dir, screen_file, sinks=start.sink_settings(sft_dir)))
     import shutil
 
     shutil.rmtree(out_dir, ignore_errors=True)

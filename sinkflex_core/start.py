@@ -166,6 +166,23 @@ def _interval(successes, tries, draws: int = 2000, seed: int = 0) -> tuple[float
     return float(rate.mean()), float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
 
 
+def measured_rewards(folder: str | Path | None = None):
+    """The test rewards recorded in ``folder``'s ``test_rewards.csv`` (default: :func:`start_dir`), one row
+    per attention: ``attention``, ``reward`` (mean over every episode), ``low`` and ``high`` (95 % bootstrap
+    interval, test tasks resampled), ``tasks``, ``episodes_per_task``, ``minutes``, ``git_sha``."""
+    import pandas as pd
+
+    folder = Path(folder) if folder is not None else start_dir()
+    tests = pd.read_csv(folder / "test_rewards.csv", dtype={"git_sha": str, "policy_digest": str})
+    rows = []
+    for label, t in tests.groupby("attention", sort=False):
+        mean, lo, hi = _interval(t["successes"], t["tries"])
+        rows.append({"attention": label, "reward": mean, "low": lo, "high": hi, "tasks": t["task"].nunique(),
+                     "episodes_per_task": int(t["tries"].iloc[0]), "minutes": float(t["minutes"].iloc[0]),
+                     "git_sha": t["git_sha"].iloc[0]})
+    return pd.DataFrame(rows)
+
+
 def card_text(out: Path) -> str:
     """The model card of the start in ``out``, from the files there."""
     import pandas as pd
