@@ -90,3 +90,24 @@ for nb in list_notebooks():
 #
 # Executed copies go to `build/notebooks/`, figures to `figures/`, measured results to `data/`.
 # `smoke=True` runs any notebook in about a minute or less (the test suite does this).
+
+# %% [markdown]
+# ## Exercises
+#
+# Change one thing, run the cells again, and look for what each exercise names.
+#
+# 1. **FlexAttention here, forward and backward.** The report's `flex_attention` line comes from a 16-token
+#    probe. In a new cell, make random `q`, `k`, `v` of shape `(1, 2, 256, 32)` and run
+#    `attention.sink_attention(q, k, v, n_sink=4, window=64, backend="flex")` (`from sinkflex_core import
+#    attention`), then the same with `backend="chunked"`; compare each with `attention.reference_attention`
+#    and call `.backward()` through each. Which path can train on this device, and how close are both to the
+#    formula?
+# 2. **Threads.** `cpu_threads` is the number of threads torch computes with. Time a 1024 x 1024 matrix
+#    product after `torch.set_num_threads(1)`, then after `torch.set_num_threads(os.cpu_count())`. How much
+#    faster is it with every core, and what changes when the machine's cores are busy with other work?
+# 3. **Smoke mode.** Set `os.environ["SINKFLEX_SMOKE"] = "1"` and run the `resolve_smoke` cell again with the
+#    `smoke` parameter still `False`, then print `sinkflex_core.paths.figures_dir()`. Which wins, the
+#    parameter or the environment, why does the test suite need it that way, and where do the figures of a
+#    smoke run go?
+#
+# Solutions: [`solutions/00_setup.py`](solutions/00_setup.py), one cell per exercise that runs and prints what to look for (JupyterLab with jupytext opens it as a notebook; or `jupytext --to ipynb notebooks/solutions/00_setup.py`).

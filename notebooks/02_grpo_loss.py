@@ -21,9 +21,6 @@ from sinkflex_core.notebooks import resolve_smoke
 smoke = resolve_smoke(smoke)
 
 # %%
-import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 

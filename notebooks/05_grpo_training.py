@@ -206,3 +206,31 @@ fig = train.reward_figure(recorded, sft_recorded, live if preset == "tiny-cpu" a
                           baseline=all_tasks)
 fig.savefig(figures_dir() / "reward_curve.png", dpi=120)
 plt.show()
+
+# %% [markdown]
+# ## Exercises
+#
+# None of these needs a training run: each changes one setting on what the recorded runs left in `data/`.
+#
+# 1. **The groups that teach nothing.** Give each training task the success rate p it had in the start's
+#    screen, `data/train_screen_sft_start.csv` (4 tries each), and compute the chance that a group of G
+#    episodes has all rewards equal, `p**G + (1 - p)**G`, averaged over all 600 training tasks and over the 90
+#    that `train.screened_tasks` keeps, for G (`group_size`) = 4, 8 and 16. Compare with the column
+#    `frac_groups_all_equal` of `data/reward_curve_seed0.csv`. Without the screen, what share of the groups
+#    would get advantage 0 everywhere, and what does a larger group buy?
+# 2. **A sampler that is not the trainer.** Teacher-force a few of the oracle's test episodes
+#    (`sft.expert_examples(tokenizer, sft.SFTConfig(), [0, 1, 2, 3], split="test")`) through the shipped start
+#    (`start.start_dir()`) twice: as saved, with full attention (the sampler, as vLLM samples on the paper
+#    preset), and switched to the tiny-cpu preset's sink attention (the trainer:
+#    `attention.apply(model, n_sink=4, window=256, layer_sinks=start_dir)`). Pass the trainer's log-probs as
+#    `old_logp` and the sampler's as `behaviour_logp` to `grpo.grpo_loss` with `tis_cap` 0, 2 and 1.2, then
+#    set the window to 2048. Look at the log-prob gap, the share of tokens already outside the clip band, and
+#    the metrics `tis_clip_frac` and `tis_weight_mean`.
+# 3. **Is the gain real?** The start and the three trained policies each played the 60 test tasks 16 times
+#    (`data/pass_at_k_sft_start.csv`, `data/pass_at_k_screened_seed0.csv`, ...). For each seed, compute the
+#    gain in pass@1 with a 95 % bootstrap interval, resampling the tasks once for both policies (paired),
+#    then resampling each policy's tasks on its own (unpaired). Which intervals exclude 0, and why is the
+#    paired one narrower? Compare with the gains of the evaluations logged during training
+#    (`train.summarize_curves` on `data/reward_curve.csv`).
+#
+# Solutions: [`solutions/05_grpo_training.py`](solutions/05_grpo_training.py), one cell per exercise that runs and prints what to look for (JupyterLab with jupytext opens it as a notebook; or `jupytext --to ipynb notebooks/solutions/05_grpo_training.py`).

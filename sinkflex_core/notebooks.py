@@ -134,7 +134,8 @@ def run_notebook(path: Path, parameters: dict | None = None, out_dir: Path | Non
     env_before = os.environ.get(SMOKE_ENV)
     if smoke is not None:
         os.environ[SMOKE_ENV] = "1" if smoke else "0"
-    os.environ.setdefault("MPLBACKEND", "Agg")
+    # No MPLBACKEND here: with none set, the kernel draws with matplotlib's inline backend, which needs
+    # no display and keeps every figure in the executed copy (Agg would drop them from it).
     try:
         pm.execute_notebook(str(path), str(out), parameters=parameters or {}, kernel_name=_kernel_name(),
                             cwd=str(path.parent), progress_bar=progress, execution_timeout=timeout,

@@ -96,6 +96,24 @@ def test_reproduce_runs_in_order_skips_unchanged_and_names_failing_cell(tmp_path
     assert "unchanged since its last run, skipped" in second.stdout
 
 
+@pytest.mark.slow
+def test_reproduce_keeps_a_notebooks_figures_in_its_executed_copy(tmp_path):
+    """Headless and with no MPLBACKEND set, the kernel draws with matplotlib's inline backend: a figure
+    that a notebook shows is stored in the executed copy (a forced Agg backend would drop it)."""
+    root = _fake_project(tmp_path, {"00_plot.ipynb": [
+        ("markdown", "# 00 · A figure\n\nOne line, plotted.", []),
+        ("code", "smoke = False", ["parameters"]),
+        ("code", "import matplotlib.pyplot as plt\n\nplt.plot([0, 1], [1, 0])\nplt.show()", []),
+    ]})
+    env = {k: v for k, v in os.environ.items() if k not in ("MPLBACKEND", "DISPLAY", "WAYLAND_DISPLAY")}
+    run = subprocess.run([sys.executable, "-m", "sinkflex_core", "reproduce"], cwd=root,
+                         env=dict(env, SINKFLEX_ROOT=str(root)), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    executed = json.loads((root / "build" / "notebooks" / "00_plot.ipynb").read_text())
+    shown = [out for cell in executed["cells"] if cell["cell_type"] == "code" for out in cell["outputs"]]
+    assert any("image/png" in out.get("data", {}) for out in shown), shown
+
+
 def test_cli_lists_notebooks():
     out = subprocess.run([sys.executable, "-m", "sinkflex_core", "notebooks", "list"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
