@@ -27,8 +27,32 @@ The learner (:class:`sinkflex_core.train.Trainer`) and the worker talk through t
 - **Sampling seeds** are the synchronous trainer's (a function of the run seed and the step), so what a
   group samples depends only on its tasks, its step and the weights it was sampled with.
 
+Under torchrun (N ranks) there is still one worker, started by rank 0, and only rank 0 talks to it:
+
+- The worker plays a step's tasks in calls that follow the ranks' shares (:func:`call_bounds`: rank
+  ``r`` gets tasks ``r * n / N`` to ``(r + 1) * n / N``, cut into ``rollout_tasks_per_call`` as the
+  synchronous trainer's ranks cut theirs), so each call's groups belong to one rank whole.
+- Rank 0 waits for the step, applies the staleness check to all its groups (a drop resamples the whole
+  step for every rank), and hands each rank its share with one ``scatter_object_list``, together with
+  the step's tasks and metrics. Every rank thus trains on the same number of groups per step (the
+  data-parallel update stays in lockstep), checks the tasks against its own sampler (all ranks hold
+  the same one) and logs the same staleness figures.
+- After each update every rank refreshes the trainer's unsharded rollout copy from the FSDP shards (the
+  all-gather the evaluations and the exported policy already rely on); rank 0 sends the worker its
+  trainable weights from that copy, so publishing adds no collective.
+- Resume: every rank loads the checkpoint's sampler state; rank 0 starts a fresh worker and refills the
+  queue from it, exactly as with one process.
+
+Why one worker rather than one per rank: the decision which groups form a step, and which are too old,
+is taken in one place, so the ranks cannot disagree about it and need no extra agreement round; the
+weights are sent once per update instead of N times; on CPU it costs one extra process rather than N;
+and on GPUs a generation engine serves a whole step best as one large batch, on devices of its own.
+The price is that the step's groups (token ids, masks and log-probs, small beside an update) pass
+through rank 0 on their way to the other ranks.
+
 Each trained step appends one line to ``out_dir/rollout_groups.jsonl`` (step, tasks, versions,
-staleness, dropped groups); a resumed run cuts it back to the checkpoint's step, like ``metrics.csv``.
+staleness, dropped groups, groups per rank); a resumed run cuts it back to the checkpoint's step, like
+``metrics.csv``.
 """
 
 from __future__ import annotations
