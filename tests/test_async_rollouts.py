@@ -1,7 +1,8 @@
 """Rollouts that overlap training (train.async_rollouts), with a real worker process: with no overlap
 allowed (k = 0) it trains exactly what the single-process trainer trains; groups older than k are
 dropped and resampled; a run killed with SIGKILL resumes with a fresh worker that refills the queue from
-the checkpoint, so no group is trained twice; and what it cannot run is refused with a clear error."""
+the checkpoint, so no group is trained twice; under torchrun rank 0's worker feeds both ranks the same
+number of groups per step, through a resume; and what it cannot run is refused with a clear error."""
 
 from __future__ import annotations
 
@@ -149,11 +150,49 @@ def test_a_run_killed_mid_update_resumes_with_a_fresh_worker_and_trains_no_group
     assert df["step"].tolist() == [0, 1, 2] and df["staleness_max"].iloc[1:].tolist() == [0, 0]
 
 
+@pytest.mark.slow
+def test_torchrun_two_ranks_share_one_worker_and_resume(tokenizer_dir, tmp_path):
+    """`torchrun --nproc_per_node 2` (gloo, FSDP2), k = 1: rank 0's worker samples every step and rank 0
+    hands each rank the groups of its share of the step's tasks. Two steps, the first by one trainer
+    (its worker has step 2 in flight when it stops), the second by a second one that resumes from the checkpoint with a fresh worker (in the same
+    processes: tests/async_dist_trainer.py). Every rank trains one group per step, the ones of the tasks
+    the synchronous trainer would give it; no step is trained twice; staleness stays within k; the
+    resumed step is sampled with the checkpoint's weights; both ranks end with the same weights."""
+    out = tmp_path / "dist"
+    cfg = _cfg(tokenizer_dir, out, steps=2, async_rollouts=True, max_staleness=1, old_logprobs="recompute",
+               tis_cap=2.0, ppo_epochs=1, max_turns=2, max_new_tokens_per_turn=8)
+    config = tmp_path / "dist.json"
+    config.write_text(json.dumps(cfg.to_dict()))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(Path(__file__).with_name("async_dist_trainer.py")), str(config)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    order = _tasks_in_order(cfg, 2)
+    ranks = [json.loads((out / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    for r, mine in enumerate(ranks):
+        assert [s["step"] for s in mine["steps"]] == [1, 2] and [s["run"] for s in mine["steps"]] == [1, 2]
+        assert [s["groups"] for s in mine["steps"]] == [1, 1]
+        assert [s["tasks"] for s in mine["steps"]] == [[tasks[r]] for tasks in order]
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+
+    groups = _groups(out)
+    assert [g["step"] for g in groups] == [1, 2] and [g["tasks"] for g in groups] == order
+    assert all(g["rank_groups"] == [1, 1] and g["groups_dropped"] == 0 for g in groups)
+    assert [g["trained_at"] for g in groups] == [0, 1]
+    assert all(0 <= g["trained_at"] - v <= 1 for g in groups for v in g["versions"])
+    # the resumed trainer's worker is a new process, and it starts from the checkpoint's weights (one
+    # rollout call per rank's share)
+    assert groups[1]["worker_pid"] != groups[0]["worker_pid"] and groups[1]["versions"] == [1, 1]
+    df = pd.read_csv(out / "metrics.csv")
+    assert df["step"].tolist() == [0, 1, 2] and (df["trajectories"].iloc[1:] == 4).all()
+    assert (df["staleness_max"].iloc[1:] <= 1).all() and (df["groups_dropped"].iloc[1:] == 0).all()
+    assert df["loss"].iloc[1:].abs().gt(0).all() and df["tis_clip_frac"].iloc[1:].between(0, 1).all()
+    assert (out / "policy" / "model.safetensors").is_file()
+
+
 def test_what_async_rollouts_cannot_run_is_refused(tokenizer_dir, tmp_path):
     cfg, _ = train.config_from_argv(["--async-rollouts", "--max-staleness", "2", "--out-dir", str(tmp_path)])
     assert cfg.async_rollouts and cfg.max_staleness == 2
-    with pytest.raises(ConfigError, match="one process only"):
-        Trainer(_cfg(tokenizer_dir, tmp_path / "d", async_rollouts=True), train.Dist(rank=0, world=2))
     with pytest.raises(ConfigError, match="old_logprobs=recompute"):
         _cfg(tokenizer_dir, tmp_path / "t", tis_cap=2.0)
     with pytest.raises(ConfigError, match="max_staleness"):

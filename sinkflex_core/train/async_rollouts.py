@@ -3,7 +3,7 @@ updates on the current one (``TrainConfig.async_rollouts``).
 
 The learner (:class:`sinkflex_core.train.Trainer`) and the worker talk through three queues::
 
-    learner --requests--> worker    ("rollout", step, tasks, min_version): play these tasks
+    learner --requests--> worker    ("rollout", step, tasks, min_version, calls): play these tasks
     learner --weights---> worker    ("weights", version, state): the policy after `version` updates
     worker  --results---> learner   ("batch", step, version, batches, seconds) or ("error", text)
 
@@ -27,8 +27,32 @@ The learner (:class:`sinkflex_core.train.Trainer`) and the worker talk through t
 - **Sampling seeds** are the synchronous trainer's (a function of the run seed and the step), so what a
   group samples depends only on its tasks, its step and the weights it was sampled with.
 
+Under torchrun (N ranks) there is still one worker, started by rank 0, and only rank 0 talks to it:
+
+- The worker plays a step's tasks in calls that follow the ranks' shares (:func:`call_bounds`: rank
+  ``r`` gets tasks ``r * n / N`` to ``(r + 1) * n / N``, cut into ``rollout_tasks_per_call`` as the
+  synchronous trainer's ranks cut theirs), so each call's groups belong to one rank whole.
+- Rank 0 waits for the step, applies the staleness check to all its groups (a drop resamples the whole
+  step for every rank), and hands each rank its share with one ``scatter_object_list``, together with
+  the step's tasks and metrics. Every rank thus trains on the same number of groups per step (the
+  data-parallel update stays in lockstep), checks the tasks against its own sampler (all ranks hold
+  the same one) and logs the same staleness figures.
+- After each update every rank refreshes the trainer's unsharded rollout copy from the FSDP shards (the
+  all-gather the evaluations and the exported policy already rely on); rank 0 sends the worker its
+  trainable weights from that copy, so publishing adds no collective.
+- Resume: every rank loads the checkpoint's sampler state; rank 0 starts a fresh worker and refills the
+  queue from it, exactly as with one process.
+
+Why one worker rather than one per rank: the decision which groups form a step, and which are too old,
+is taken in one place, so the ranks cannot disagree about it and need no extra agreement round; the
+weights are sent once per update instead of N times; on CPU it costs one extra process rather than N;
+and on GPUs a generation engine serves a whole step best as one large batch, on devices of its own.
+The price is that the step's groups (token ids, masks and log-probs, small beside an update) pass
+through rank 0 on their way to the other ranks.
+
 Each trained step appends one line to ``out_dir/rollout_groups.jsonl`` (step, tasks, versions,
-staleness, dropped groups); a resumed run cuts it back to the checkpoint's step, like ``metrics.csv``.
+staleness, dropped groups, groups per rank); a resumed run cuts it back to the checkpoint's step, like
+``metrics.csv``.
 """
 
 from __future__ import annotations
@@ -44,7 +68,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError, TrainConfig
+from .config import TrainConfig
 
 _POLL_S = 1.0  # how often a waiting worker checks that its learner is still alive
 _WAIT_S = 1800.0  # most seconds the learner waits for one result (a stuck worker ends the run)
@@ -103,16 +127,14 @@ def rollout_worker(cfg_dict: dict, parent_pid: int, requests, weights, results) 
                 continue
             if msg[0] == "stop":
                 return
-            _, step, tasks, min_version = msg
-            per_call = cfg.rollout_tasks_per_call or max(1, len(tasks))
+            _, step, tasks, min_version, calls = msg
             seed = derive_seed(cfg.seed, "train", step) & 0x7FFFFFFF
-            for i in range(0, len(tasks), per_call):
+            for i, j in calls:
                 version = newest(min_version)
                 t0 = time.perf_counter()
                 torch.manual_seed(seed)
                 rcfg = rollout_config_of(cfg, seed)
-                batch = rollout.collect_rollouts(backend, tokenizer, cfg.env_id, tasks[i:i + per_call],
-                                                 cfg.train_split, rcfg)
+                batch = rollout.collect_rollouts(backend, tokenizer, cfg.env_id, tasks[i:j], cfg.train_split, rcfg)
                 results.put(("batch", step, version, i, batch, time.perf_counter() - t0))
     except SystemExit:
         return
@@ -127,31 +149,48 @@ def rollout_config_of(cfg: TrainConfig, seed: int):
     return rollout_config(cfg, seed, cfg.group_size, cfg.temperature)
 
 
+def call_bounds(n_tasks: int, world: int, per_call: int) -> list[tuple[int, int]]:
+    """The rollout calls of one step of ``n_tasks`` tasks, as ``(start, end)`` slices of its task list:
+    rank ``r``'s share (``n_tasks / world`` tasks from ``r * n_tasks / world``) cut into calls of
+    ``per_call`` tasks (0: the whole share), as the synchronous trainer's ranks cut theirs. No call spans
+    two shares, so every call's groups go to one rank whole."""
+    share = n_tasks // world
+    per_call = per_call or max(1, share)
+    return [(r * share + i, r * share + min(share, i + per_call)) for r in range(world)
+            for i in range(0, share, per_call)]
+
+
 class AsyncRollouts:
-    """The learner's side of the worker (see the module docstring). ``next_rows(step)`` returns the
-    step's batch as :func:`data.concat_rollouts` rows, ``publish()`` sends the weights after an update,
-    ``close()`` stops the worker. The worker starts on the first ``next_rows``, after any resume."""
+    """The learner's side of the worker (see the module docstring). ``next_rows(step)`` returns this
+    rank's share of the step's batch as :func:`data.concat_rollouts` rows, ``publish()`` sends the
+    weights after an update, ``close()`` stops the worker. ``start()`` (the first ``next_rows`` calls it
+    if the trainer has not) runs after any resume. Under torchrun only rank 0 has a worker; every rank
+    calls the same methods in the same order (``next_rows`` is a collective)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
         self.cfg = trainer.cfg
-        if trainer.dist.enabled:
-            raise ConfigError("async_rollouts runs with one process only so far (one learner, one rollout "
-                              "worker); launch without torchrun or set async_rollouts=false")
+        self.dist = trainer.dist
         self.k = self.cfg.max_staleness
         self.proc = None
+        self.started = False
+        self.version = 0
         self.log_path = Path(self.cfg.out_dir) / "rollout_groups.jsonl"
         self.last: dict = {}
 
     # -- process ----------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the worker, send it the current weights and the first steps' tasks (after any resume)."""
+        """Rank 0: start the worker, send it the current weights and the first steps' tasks (after any
+        resume). The other ranks have nothing to start: they get their groups from rank 0."""
         import torch.multiprocessing as mp
 
-        if self.proc is not None:
+        if self.started:
             return
-
+        self.started = True
         tr = self.trainer
+        self.version = tr.step_idx
+        if not self.dist.main:
+            return
         ctx = mp.get_context("spawn")
         self.requests, self.weights, self.results = ctx.Queue(), ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=rollout_worker, name="sinkflex-rollout-worker", daemon=True,
@@ -165,6 +204,7 @@ class AsyncRollouts:
         self.publish()
 
     def close(self) -> None:
+        self.started = False
         if self.proc is None:
             return
         if self.proc.is_alive():
@@ -184,10 +224,13 @@ class AsyncRollouts:
     @torch.no_grad()
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What the worker needs after an update, as fresh CPU tensors: the trainable parameters, or
-        under LoRA the whole merged model (names as in the plain causal LM)."""
+        under LoRA the whole merged model (names as in the plain causal LM). Under FSDP they are read from
+        the trainer's unsharded rollout copy, which every rank has just refreshed from the shards (the
+        all-gather that the evaluations need anyway), so rank 0 sends them without another collective."""
         from .policy import causal_lm
 
-        lm = self.trainer.policy.lm
+        tr = self.trainer
+        lm = tr.rollout_lm if tr.rollout_lm is not None else tr.policy.lm
         if self.cfg.lora:
             merged = causal_lm(copy.deepcopy(lm).merge_and_unload())
             return {n: p.detach().cpu().clone() for n, p in merged.named_parameters()}
@@ -195,10 +238,12 @@ class AsyncRollouts:
 
     def publish(self, version: int | None = None) -> None:
         """Send the weights as ``version`` (default: the learner's, its step index), then submit the
-        steps that this version lets start (up to ``version + k + 1``)."""
-        if self.proc is None:
+        steps that this version lets start (up to ``version + k + 1``). Rank 0 only does the sending."""
+        if not self.started:
             return
         self.version = self.trainer.step_idx if version is None else version
+        if self.proc is None:
+            return
         self.weights.put(("weights", self.version, self.trainable_state()))
         last = min(self.trainer.total_steps, self.version + self.k + 1)
         while self.next_submit <= last:
@@ -208,9 +253,9 @@ class AsyncRollouts:
             self.next_submit += 1
 
     def _request(self, step: int, tasks: list[int]) -> None:
-        self.requests.put(("rollout", step, tasks, self.version))
-        per_call = self.cfg.rollout_tasks_per_call or max(1, len(tasks))
-        self.ready[step] = {"calls": {}, "expect": set(range(0, len(tasks), per_call))}
+        calls = call_bounds(len(tasks), self.dist.world, self.cfg.rollout_tasks_per_call)
+        self.requests.put(("rollout", step, tasks, self.version, calls))
+        self.ready[step] = {"calls": {}, "expect": {i for i, _ in calls}}
 
     # -- consuming ----------------------------------------------------------------------------------
     def _receive(self) -> None:
@@ -229,20 +274,17 @@ class AsyncRollouts:
         _, step, version, offset, batch, seconds = msg
         self.ready[step]["calls"][offset] = (version, batch, seconds)
 
-    def next_rows(self, step: int) -> dict:
-        """Step ``step``'s rows (as ``Trainer._collect_step`` returns them), from groups at most ``k``
-        versions old; also advances the learner's sampler past the step's tasks."""
-        from .data import concat_rollouts
-
-        tr = self.trainer
-        if self.proc is None:
-            self.start()
+    def _take_step(self, step: int) -> list[tuple[list[int], list, dict]]:
+        """Rank 0: wait for step ``step``'s groups (dropping and resampling any older than ``k``), log
+        the step, and split it by rank: ``[(tasks, batches, metrics)]``, one entry per rank, the tasks
+        being the whole step's (every rank checks them against its own sampler)."""
         dropped, seconds = 0, 0.0
         while True:
             slot = self.ready[step]
             while set(slot["calls"]) != slot["expect"]:
                 self._receive()
-            calls = [slot["calls"][o] for o in sorted(slot["calls"])]
+            offsets = sorted(slot["calls"])
+            calls = [slot["calls"][o] for o in offsets]
             stale = [c for c in calls if self.version - c[0] > self.k]
             seconds += sum(c[2] for c in calls)
             if not stale:
@@ -253,24 +295,47 @@ class AsyncRollouts:
             self._request(step, self.submitted[step])
         tasks = self.submitted.pop(step)
         del self.ready[step]
+        groups = [(self.version - c[0], len(c[1]) // self.cfg.group_size) for c in calls]
+        n = sum(g for _, g in groups)
+        last = {"staleness_mean": sum(s * g for s, g in groups) / max(1, n),
+                "staleness_max": max(s for s, _ in groups), "groups_dropped": dropped, "rollout_worker_s": seconds}
+        share = len(tasks) // self.dist.world
+        rank_of = [o // share for o in offsets]  # call_bounds: no call spans two ranks' shares
+        per_rank = [[c[1] for c, r in zip(calls, rank_of) if r == rank] for rank in range(self.dist.world)]
+        self._log({"step": step, "tasks": tasks, "versions": [c[0] for c in calls], "trained_at": self.version,
+                   "groups_dropped": dropped, "worker_pid": self.proc.pid,
+                   "rank_groups": [sum(len(b) // self.cfg.group_size for b in bs) for bs in per_rank]})
+        return [(tasks, bs, last) for bs in per_rank]
+
+    def next_rows(self, step: int) -> dict:
+        """This rank's share of step ``step``'s rows (as ``Trainer._collect_step`` returns them), from
+        groups at most ``k`` versions old; also advances the learner's sampler past the step's tasks.
+
+        Rank 0 decides which groups form the step (so staleness and drops are counted once) and scatters
+        them: rank ``r`` gets the groups of the tasks the synchronous trainer would give it, the same
+        number on every rank, so the data-parallel update stays in lockstep."""
+        from .data import concat_rollouts
+
+        tr = self.trainer
+        if not self.started:
+            self.start()
+        parts = self._take_step(step) if self.dist.main else None
+        if self.dist.enabled:
+            mine = [None]
+            torch.distributed.scatter_object_list(mine, parts, src=0)
+            tasks, batches, self.last = mine[0]
+        else:
+            tasks, batches, self.last = parts[0]
         expected = [tr.train_task_ids[i] for i in tr.sampler.next_batch()]
         if expected != tasks:
             raise RuntimeError(f"step {step}: the worker's tasks {tasks} are not the sampler's {expected}")
-        batches = [c[1] for c in calls]
-        groups = [(self.version - c[0], len(c[1]) // self.cfg.group_size) for c in calls]
-        n = sum(g for _, g in groups)
-        self.last = {"staleness_mean": sum(s * g for s, g in groups) / max(1, n),
-                     "staleness_max": max(s for s, _ in groups), "groups_dropped": dropped,
-                     "rollout_worker_s": seconds}
-        self._log({"step": step, "tasks": tasks, "versions": [c[0] for c in calls], "trained_at": self.version,
-                   "groups_dropped": dropped, "worker_pid": self.proc.pid})
         rows = concat_rollouts(batches, pad_id=tr.tokenizer.pad_token_id or 0)
         rows["loss_mask"] = rows["loss_mask"].float()
         return rows
 
     # -- the groups log -----------------------------------------------------------------------------
     def _log(self, entry: dict) -> None:
-        if self.trainer.dist.main:
+        if self.dist.main:
             with open(self.log_path, "a") as f:
                 f.write(json.dumps(entry) + "\n")
 

@@ -16,7 +16,8 @@ and pass^k), the atomic checkpoints (every ``save_every`` steps) and, at the end
 Hugging Face folder, ``out_dir/policy``.
 
 With ``async_rollouts`` the collect phase reads groups that a worker process sampled while the
-previous updates ran (:mod:`sinkflex_core.train.async_rollouts`).
+previous updates ran (:mod:`sinkflex_core.train.async_rollouts`); under torchrun rank 0 holds the
+worker and hands every rank its share of each step.
 
 Distributed: the trained model is wrapped with FSDP2 (``fully_shard`` on every decoder layer and the
 root). Every rank samples the rollouts of its own share of the tasks with an unsharded copy of the
@@ -72,7 +73,7 @@ class Trainer:
         if cfg.tasks_per_step % d.world:
             raise ConfigError(f"tasks_per_step ({cfg.tasks_per_step}) must be a multiple of the number of "
                               f"processes ({d.world})")
-        # before any model is built: refuses what it cannot run (torchrun); starts no process yet
+        # starts no process yet: rank 0's worker starts in run(), after any resume
         self.async_rollouts = AsyncRollouts(self) if cfg.async_rollouts else None
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
