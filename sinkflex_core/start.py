@@ -141,7 +141,7 @@ RECIPE = {"max_steps": 1000, "max_minutes": 240.0}
 
 #: Optimizer steps of the sink stage (``build(sink_stage=True)``): the last full-attention stage continued
 #: with the ``tiny-cpu`` preset's sink attention. Switching the start to that attention untrained moves its
-#: log-probs on the oracle's test episodes by about 0.64 nats per token (docs/experiments.md); a few hundred
+#: log-probs of the agent's tokens in the oracle's test episodes by 0.64 nats on average (docs/experiments.md); a few hundred
 #: steps, a third of the first stage, let the weights and the learned sink logits adapt to the window
 #: without starting over.
 SINK_STAGE_STEPS = 300
