@@ -16,6 +16,10 @@ The recipe, in the order :func:`train_sft` runs it:
   ``context_loss_weight``, of every other token of the episode (customer messages and tool outputs,
   which repeat ids seen earlier: the cheapest teacher of copying); ``copy_fraction`` of each batch's
   rows stay copy drills;
+- the attention: full causal attention by default; ``attention="sinkflex"`` trains under the sink
+  attention of GRPO's ``tiny-cpu`` preset (``n_sink``, ``window``, ``learn_sinks``, ``layer_sinks``, as
+  :class:`sinkflex_core.train.TrainConfig` names them) in every forward, the learned sink logits with the
+  weights, and saves the settings beside them (:func:`sinkflex_core.models.load_policy` restores them);
 - optional stages, off by default: key-value recall drills (``recall_*``), a heavier loss on the
   first token of tool-call values (``value_loss_weight``), the identity stage that scores the values
   of the identity call alone (``identity_*``; :data:`IDENTITY_STAGE` is the recorded second stage);
@@ -36,6 +40,7 @@ import csv
 import dataclasses
 import json
 import math
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -90,6 +95,16 @@ class SFTConfig:
     num_kv_heads: int = option(2, "0: half the heads")
     init_from: str = option("", "a saved policy folder (an earlier SFT run) to continue training; its shape "
                                 "and tokenizer replace the four fields above")
+    # -- attention (as TrainConfig's: train the start with the attention GRPO will use) --
+    attention: str = option("sdpa", "sdpa (full causal attention) | sinkflex (sink-aware attention, "
+                                    "attention.apply, for every forward of the SFT: loss, drills, evaluations)")
+    n_sink: int = option(4, "sinkflex: sink tokens kept at the start of each document")
+    window: int = option(4096, "sinkflex: sliding window (keys)")
+    learn_sinks: bool = option(True, "sinkflex: learn a zero-value sink logit per head (trained with the weights)")
+    layer_sinks: str | list[int] = option("", 'sinkflex: per-layer sink counts. "": n_sink in every layer; a list '
+                                              '(on the command line: comma-separated, "4,4,8,4"); a JSON file '
+                                              'written by attention.save_layer_sinks, or a folder holding '
+                                              'sinkflex_sinks.json')
     # -- the prompt and episode limits (use the GRPO run's values) --
     system_prompt: str | None = option(COMPACT_SYSTEM_PROMPT, "None: the environment's policy text")
     include_tools: bool = option(False, "tool schemas in the system turn")
@@ -193,6 +208,45 @@ class SFTConfig:
             raise ConfigError(f"expert_split must be 'synthetic' or 'train', got {self.expert_split!r}")
         if self.eval_temperature < 0:
             raise ConfigError(f"eval_temperature must be >= 0, got {self.eval_temperature}")
+        if self.attention not in ("sdpa", "sinkflex"):
+            raise ConfigError(f"attention must be 'sdpa' or 'sinkflex', got {self.attention!r}")
+        if not (isinstance(self.n_sink, int) and self.n_sink >= 0):
+            raise ConfigError(f"n_sink must be an integer >= 0, got {self.n_sink!r}")
+        if not (isinstance(self.window, int) and self.window >= 1):
+            raise ConfigError(f"window must be a positive integer, got {self.window!r}")
+        if self.attention == "sinkflex":
+            self.sink_counts()  # a missing or malformed layer_sinks is refused before any work
+
+    def sink_counts(self) -> list[int] | None:
+        """The per-layer sink counts ``layer_sinks`` names (None: ``n_sink`` in every layer)."""
+        spec = self.layer_sinks
+        if isinstance(spec, str) and re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", spec):
+            return [int(x) for x in spec.split(",")]
+        if spec == "auto":  # GRPO estimates them on its start; an SFT continues from a start it names
+            raise ConfigError('layer_sinks="auto" is not an SFT option: estimate the counts first '
+                              '(start.estimate_sinks) and pass the folder or its sinkflex_sinks.json')
+        if isinstance(spec, str) and spec:
+            from .attention import load_layer_sinks
+
+            try:
+                return load_layer_sinks(spec)
+            except (FileNotFoundError, ValueError, KeyError) as err:
+                raise ConfigError(f"layer_sinks: {err}") from None
+        if isinstance(spec, list | tuple) and spec:
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in spec):
+                raise ConfigError(f"layer_sinks must hold integers >= 0, got {spec!r}")
+            return list(spec)
+        if spec in ("", [], ()):
+            return None
+        raise ConfigError(f"layer_sinks must be a list of counts, a JSON file or a folder, got {spec!r}")
+
+    def sink_settings(self) -> dict | None:
+        """The keyword arguments of :func:`sinkflex_core.attention.apply` this config trains with; None
+        for full attention."""
+        if self.attention != "sinkflex":
+            return None
+        return {"n_sink": self.n_sink, "window": self.window, "learn_sinks": self.learn_sinks,
+                "layer_sinks": self.sink_counts()}
 
     def rollout_config(self, group_size: int = 1, temperature: float = 1.0, seed: int = 0):
         from .rollout import RolloutConfig
@@ -432,8 +486,7 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     model.eval()
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
+        _save_policy(model, tokenizer, out_dir)
         (out_dir / "sft_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
         _write_history(out_dir / "sft_history.csv", progress.history)
     return SFTResult(model=model, tokenizer=tokenizer, history=progress.history, steps=progress.step,
@@ -492,21 +545,46 @@ def _expert_data(cfg: SFTConfig, n_train: int) -> tuple[object, list[dict[str, t
 
 def _build_model(cfg: SFTConfig, tokenizer) -> torch.nn.Module:
     """The saved policy of ``cfg.init_from``, or a new tiny model (with previous-token heads where
-    ``cfg.previous_token_heads``), in training mode."""
-    from . import models
+    ``cfg.previous_token_heads``), in training mode, switched to ``cfg``'s sink attention where it asks
+    for it (:meth:`SFTConfig.sink_settings`): before any optimizer exists, so that the learned sink
+    logits train with the weights."""
+    from . import attention, models
 
+    sinks = cfg.sink_settings()
     if cfg.init_from:
-        from transformers import AutoModelForCausalLM
+        if sinks is not None:  # an earlier sink-attention stage keeps its learned sink logits
+            model = models.load_policy(cfg.init_from, attn_implementation="sdpa").train()
+        else:
+            from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(cfg.init_from, attn_implementation="sdpa").train()
-    mcfg = models.tiny_qwen2_config(vocab_size=max(cfg.vocab_size, len(tokenizer)), hidden_size=cfg.hidden_size,
-                                    num_layers=cfg.num_layers, num_heads=cfg.num_heads or None,
-                                    num_kv_heads=cfg.num_kv_heads or None, tokenizer=tokenizer)
-    mcfg._attn_implementation = "sdpa"
-    model = models.build_model(mcfg, seed=cfg.seed).train()
-    if cfg.previous_token_heads:
-        models.init_previous_token_heads(model, n_pos=cfg.max_total_tokens)
+            if attention.attention_settings(cfg.init_from) is not None:  # as the GRPO trainer refuses it
+                raise ConfigError(f"{cfg.init_from} was trained with sink attention; continue it with "
+                                  "attention='sinkflex' (its learned sinks are kept), not with full attention")
+            model = AutoModelForCausalLM.from_pretrained(cfg.init_from, attn_implementation="sdpa").train()
+    else:
+        mcfg = models.tiny_qwen2_config(vocab_size=max(cfg.vocab_size, len(tokenizer)), hidden_size=cfg.hidden_size,
+                                        num_layers=cfg.num_layers, num_heads=cfg.num_heads or None,
+                                        num_kv_heads=cfg.num_kv_heads or None, tokenizer=tokenizer)
+        mcfg._attn_implementation = "sdpa"
+        model = models.build_model(mcfg, seed=cfg.seed).train()
+        if cfg.previous_token_heads:
+            models.init_previous_token_heads(model, n_pos=cfg.max_total_tokens)
+    if sinks is not None:
+        try:
+            attention.apply(model, **sinks)
+        except ValueError as err:  # e.g. a count per layer of another model
+            raise ConfigError(f"sink attention: {err}") from None
     return model
+
+
+def _save_policy(model: torch.nn.Module, tokenizer, folder: Path) -> None:
+    """``save_pretrained`` of the policy and its tokenizer, with its sink attention's settings
+    (``attention.save_attention_settings``: :func:`sinkflex_core.models.load_policy` rebuilds it)."""
+    from . import attention
+
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    attention.save_attention_settings(model, folder)
 
 
 def _prepare(policy: TokenLogprobs, cfg: SFTConfig, tokenizer, data: list[dict[str, torch.Tensor]],
@@ -658,9 +736,7 @@ def _evaluate(model, cfg: SFTConfig, kit: _Ingredients, progress: _Progress, bar
     if out_dir is not None:
         _write_history(out_dir / "sft_history.csv", progress.history)
         if cfg.save_snapshots:
-            snap = out_dir / "snapshots" / f"step_{step:06d}"
-            model.save_pretrained(snap)
-            kit.tokenizer.save_pretrained(snap)
+            _save_policy(model, kit.tokenizer, out_dir / "snapshots" / f"step_{step:06d}")
     return cfg.stop_at_reward > 0 and ev["reward"] >= cfg.stop_at_reward and step >= cfg.min_steps
 
 

@@ -13,12 +13,16 @@ with what GRPO needs beside the weights:
   the preset's sink attention (the start's reward; column ``attention``);
 - ``train_screen.csv``: the training tasks played ``--screen-samples`` times with the preset's
   attention, the screen GRPO trains on (:func:`sinkflex_core.train.screened_tasks`);
-- ``recipe/``: the SFT's config and history (each stage's, with ``--identity-stage``);
+- ``recipe/``: the SFT's config and history (each stage's, with ``--identity-stage`` and ``--sink-stage``);
+- with ``--sink-stage``, ``sinkflex_attention.json`` and the learned sink logits in the weights: the last
+  stage trained with the preset's sink attention (:func:`sink_stage_config`), which
+  :func:`sinkflex_core.models.load_policy` restores;
 - ``README.md``: the model card, written from the files above.
 
 Regenerate it (about an hour and a half on 2 busy cores; each finished part is reused when run again)::
 
     python -m sinkflex_core.start                    # -> data/retail-tiny-start
+    python -m sinkflex_core.start --sink-stage       # ending with a stage on the preset's sink attention
     python -m sinkflex_core.start --card-only        # rewrite README.md from the files in the folder
 """
 
@@ -37,7 +41,8 @@ from .paths import repo_root
 START_SUBDIR = Path("data") / "retail-tiny-start"
 #: The files of a saved policy that travel with the start (the rest of an SFT folder stays behind).
 POLICY_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+                "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                "sinkflex_attention.json", "sinkflex_sinks.json")
 
 
 def start_dir() -> Path:
@@ -92,21 +97,24 @@ def _export(source: Path, out: Path, stages: list[Path]) -> None:
 def measure(out: Path, test_samples: int = 8, screen_samples: int = 4, progress: bool = True,
             test_tasks: int = 0, screen_tasks: int = 0) -> None:
     """Write ``test_rewards.csv`` (the first ``test_tasks`` test tasks, 0: all; full attention and the
-    preset's sink attention) and ``train_screen.csv`` (the first ``screen_tasks`` training tasks, 0: all;
-    the preset's attention; ``screen_samples`` 0: no screen) into ``out``, each part skipped when its
-    file already holds these weights."""
+    preset's sink attention, or only the saved attention of a start trained with sink attention) and
+    ``train_screen.csv`` (the first ``screen_tasks`` training tasks, 0: all; the preset's attention;
+    ``screen_samples`` 0: no screen) into ``out``, each part skipped when its file already holds these
+    weights."""
     import pandas as pd
 
+    from . import attention
     from .train import count_tasks, policy_digest, screen_or_reuse, success_table
     from .train.evaluate import attention_label
 
     digest = policy_digest(out)
-    sinks = sink_settings(out)
+    # a start trained with the preset's sink attention (the sink stage) is played with its own, saved one
+    sinks = sink_settings(out) if attention.attention_settings(out) is None else None
     n_test = test_tasks or count_tasks("sinkflex/Retail-v0", "test")
     path = out / "test_rewards.csv"
     old = pd.read_csv(path, dtype={"policy_digest": str}) if path.is_file() else None
     tables = []
-    for settings in (None, sinks):
+    for settings in (None, sinks) if sinks is not None else (None,):
         label = attention_label(settings)
         if old is not None:
             part = old[(old["attention"] == label) & (old["policy_digest"] == digest) & (old["tries"] == test_samples)]
@@ -131,13 +139,39 @@ def measure(out: Path, test_samples: int = 8, screen_samples: int = 4, progress:
 RECIPE = {"max_steps": 1000, "max_minutes": 240.0}
 
 
+#: Optimizer steps of the sink stage (``build(sink_stage=True)``): the last full-attention stage continued
+#: with the ``tiny-cpu`` preset's sink attention. Switching the start to that attention untrained moves its
+#: log-probs of the agent's tokens in the oracle's test episodes by 0.64 nats on average (docs/experiments.md); a few hundred
+#: steps, a third of the first stage, let the weights and the learned sink logits adapt to the window
+#: without starting over.
+SINK_STAGE_STEPS = 300
+
+
+def sink_stage_config(base_dir: str | Path, out_dir: str | Path, **overrides):
+    """The :class:`~sinkflex_core.sft.SFTConfig` of the sink stage: the saved config of the SFT run in
+    ``base_dir``, continued from it (``init_from``) for :data:`SINK_STAGE_STEPS` steps with the sink
+    attention a ``tiny-cpu`` run plays it with (:func:`sink_settings` of ``base_dir``, whose
+    ``sinkflex_sinks.json`` must exist: :func:`estimate_sinks`), writing to ``out_dir``; ``overrides`` last."""
+    from . import sft
+
+    values = sft.saved_config(base_dir)
+    steps = {"max_steps": SINK_STAGE_STEPS, "eval_every": max(1, SINK_STAGE_STEPS // 2)}
+    # the stage trains from the last stage's weights: no new warm-ups of the stages before it
+    values.update(steps, identity_warmup_steps=0, recall_warmup_steps=0, init_from=str(base_dir),
+                  out_dir=str(out_dir), attention="sinkflex", **sink_settings(base_dir))
+    values.update(overrides)
+    return sft.SFTConfig(**values)
+
+
 def build(out: str | Path | None = None, work_dir: str | Path = "runs/start", threads: int = 0,
           test_samples: int = 8, screen_samples: int = 4, progress: bool = True,
-          identity_stage: bool = False) -> Path:
+          identity_stage: bool = False, sink_stage: bool = False) -> Path:
     """Train (or reuse) the SFT in ``work_dir`` (and, with ``identity_stage``, its second stage,
-    :data:`sinkflex_core.sft.IDENTITY_STAGE`), copy the policy to ``out`` (default: :func:`start_dir`),
-    estimate its sinks, measure it (``screen_samples`` 0: not the training tasks) and write its model card.
-    Returns ``out``."""
+    :data:`sinkflex_core.sft.IDENTITY_STAGE`; with ``sink_stage``, a last stage on the ``tiny-cpu``
+    preset's sink attention, :func:`sink_stage_config`, whose sink counts are estimated on the stage before),
+    copy the policy to ``out`` (default: :func:`start_dir`), estimate its sinks (a sink stage keeps the
+    counts it trained with), measure it (``screen_samples`` 0: not the training tasks) and write its
+    model card. Returns ``out``."""
     from . import sft
 
     out = Path(out) if out is not None else start_dir()
@@ -147,8 +181,17 @@ def build(out: str | Path | None = None, work_dir: str | Path = "runs/start", th
     if identity_stage:
         stages.append(sft.train_or_reuse(sft.identity_stage(stages[0], work / "sft_identity", threads=threads,
                                                             progress=progress)))
+    if sink_stage:
+        from . import attention
+
+        if not (stages[-1] / attention.SINKS_FILENAME).is_file():
+            estimate_sinks(stages[-1])
+        stages.append(sft.train_or_reuse(sink_stage_config(stages[-1], work / "sft_sink", threads=threads,
+                                                                  progress=progress)))
+        (stages[-1] / attention.SINKS_FILENAME).write_bytes((stages[-2] / attention.SINKS_FILENAME).read_bytes())
     _export(stages[-1], out, stages)
-    estimate_sinks(out)
+    if not sink_stage:
+        estimate_sinks(out)
     measure(out, test_samples, screen_samples, progress)
     write_card(out)
     return out
@@ -188,6 +231,7 @@ def card_text(out: Path) -> str:
     import pandas as pd
     from safetensors import safe_open
 
+    from . import attention
     from .train import policy_digest
 
     cfgs = sorted((out / "recipe").glob("stage*_config.json"))
@@ -207,9 +251,7 @@ def card_text(out: Path) -> str:
              f"vocabulary {shape['vocab_size']:,} (a BPE tokenizer trained on the store's texts, in this folder); "
              f"{params:,} parameters, float32.",
              f"- Weights digest (first 16 hex digits of the SHA-256 of `model.safetensors`): `{policy_digest(out)}`.",
-             "- Trained with full causal attention (sdpa). `sinkflex_sinks.json` holds the per-layer sink counts "
-             "estimated from it (`sinkflex_core.attention.estimate_layer_sinks`), which GRPO's sink attention uses: "
-             + _sinks_sentence(out) + ".",
+             "- " + _attention_sentence(out) + " " + _sinks_sentence(out) + ".",
              "", "## Recipe and data", ""]
     total_tokens = 0
     for c, h in zip(cfgs, hists):
@@ -232,10 +274,12 @@ def card_text(out: Path) -> str:
               "- What was tried on the way, and what did not help: `docs/experiments.md`.", "",
               "## Measured", ""]
     tests = pd.read_csv(out / "test_rewards.csv", dtype={"git_sha": str, "policy_digest": str})
+    saved_attention = attention.attention_settings(out)
     for label, t in tests.groupby("attention", sort=False):
         mean, lo, hi = _interval(t["successes"], t["tries"])
         row = t.iloc[0]
-        what = "full attention" if label == "saved" else f"sink attention {label}"
+        what = f"sink attention {label}" if label != "saved" else \
+            ("full attention" if saved_attention is None else "its saved sink attention")
         lines.append(f"- Test reward with {what}: **{mean:.3f}** (95 % bootstrap interval over tasks "
                      f"{lo:.3f}-{hi:.3f}), all {t['task'].nunique()} test tasks x {int(row['tries'])} episodes, "
                      f"temperature 1; {row['minutes']} minutes on {row['hardware']}, commit {row['git_sha']}.")
@@ -253,7 +297,8 @@ def card_text(out: Path) -> str:
               "value of a task right (`docs/experiments.md` says what limits a model trained from scratch here). "
               "The two numbers are of different models on different task sets, not comparable as a percentage.",
               "",
-              "## Regenerate", "", "```", "python -m sinkflex_core.start", "```", "",
+              "## Regenerate", "", "```", "python -m sinkflex_core.start"
+              + (" --sink-stage" if saved_attention is not None else ""), "```", "",
               "It generates the oracle's expert episodes and runs the copy warm-up (together about a quarter "
               "of an hour on 2 cores), the SFT and the measurements above, whose minutes each line gives "
               "(measured on a shared machine: idle cores are faster). Finished parts are reused when run "
@@ -263,6 +308,24 @@ def card_text(out: Path) -> str:
               "GRPO from it: `sinkflex train --model data/retail-tiny-start` (preset `tiny-cpu`, which plays "
               "it with the sink attention above) or `python benchmarks/reproduce_curve.py`.", ""]
     return "\n".join(lines)
+
+
+def _attention_sentence(out: Path) -> str:
+    """Which attention the policy in ``out`` was trained with, from its saved attention settings, and
+    where its sink counts come from (the sentence ends where :func:`_sinks_sentence` goes on)."""
+    from . import attention
+
+    settings = attention.attention_settings(out)
+    if settings is None:
+        return ("Trained with full causal attention (sdpa). `sinkflex_sinks.json` holds the per-layer sink counts "
+                "estimated from it (`sinkflex_core.attention.estimate_layer_sinks`), which GRPO's sink attention "
+                "uses:")
+    learned = "with" if settings["learn_sinks"] else "without"
+    return (f"Trained (its last SFT stage) with sink attention: a window of {settings['window']} keys, "
+            f"{learned} the learned zero-value sink logits (saved with the weights; `models.load_policy` "
+            "restores them), and the per-layer sink counts of `sinkflex_sinks.json`, estimated on the stage "
+            "before with full attention (`sinkflex_core.attention.estimate_layer_sinks`) and used by GRPO's sink "
+            "attention too:")
 
 
 def _sinks_sentence(out: Path) -> str:
@@ -299,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--test-samples", type=int, default=8, help="episodes per test task")
     p.add_argument("--screen-samples", type=int, default=4, help="episodes per training task in the screen (0: none)")
     p.add_argument("--identity-stage", action="store_true", help="continue the SFT with its identity stage")
+    p.add_argument("--sink-stage", action="store_true",
+                   help=f"end the SFT with {SINK_STAGE_STEPS} steps on the tiny-cpu preset's sink attention")
     p.add_argument("--card-only", action="store_true", help="only rewrite README.md from the folder's files")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
@@ -310,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     out = build(args.out, args.work_dir, args.threads, args.test_samples, args.screen_samples,
-                progress=not args.no_progress, identity_stage=args.identity_stage)
+                progress=not args.no_progress, identity_stage=args.identity_stage, sink_stage=args.sink_stage)
     print(out)
     return 0
 

@@ -481,3 +481,87 @@ def test_swap_numbers_renumbers_every_id_and_zip_the_same_way_everywhere(tokeniz
         assert len(set(zips)) >= 1 and all(z in after.split("<tool_call>")[0] or '"zip":"' + z in after for z in zips)
     with pytest.raises(sft.ConfigError, match="swap_numbers"):
         sft.SFTConfig(swap_numbers=-0.1).validate()
+
+
+# -- the attention of the SFT: the start can learn under the sink attention GRPO will use --
+
+SINK_RUN = {**SMALL, "train_tasks": 2, "max_steps": 2, "eval_every": 2, "val_tasks": 1, "max_turns": 2,
+            "max_total_tokens": 512, "max_new_tokens_per_turn": 8, "copy_warmup_steps": 2, "lr": 3e-3,
+            "warmup_steps": 1, "stop_at_reward": 0.0, "attention": "sinkflex", "n_sink": 2, "window": 16,
+            "layer_sinks": [2, 3]}
+
+
+def test_attention_options_of_the_sft_config_are_checked():
+    assert sft.SFTConfig().sink_settings() is None  # the default: full causal attention, as before
+    cfg = sft.SFTConfig(attention="sinkflex", n_sink=4, window=256)
+    assert cfg.sink_settings() == {"n_sink": 4, "window": 256, "learn_sinks": True, "layer_sinks": None}
+    assert sft.SFTConfig(attention="sinkflex", layer_sinks=train.parse_field(sft.SFTConfig, "layer_sinks", "4,8")
+                         ).sink_counts() == [4, 8]
+    for bad in ({"attention": "flex"}, {"attention": "sinkflex", "window": 0}, {"n_sink": -1},
+                {"attention": "sinkflex", "layer_sinks": "auto"},
+                {"attention": "sinkflex", "layer_sinks": "no/such/sinks.json"},
+                {"attention": "sinkflex", "layer_sinks": [4, -1]}):
+        with pytest.raises(train.ConfigError):
+            sft.SFTConfig(**bad).validate()
+
+
+def test_sft_command_line_has_the_attention_options(capsys):
+    assert sft.main(["--attention", "sinkflex", "--n-sink", "4", "--window", "0", "--no-progress"]) == 2
+    assert "window must be a positive integer" in capsys.readouterr().err
+    assert sft.main(["--attention", "sinkflex", "--layer-sinks", "no/such/folder"]) == 2
+    assert "layer_sinks" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_sink_attention_sft_trains_the_sink_logits_and_saves_the_attention(tmp_path, monkeypatch):
+    from sinkflex_core import attention, models
+
+    result = sft.train_sft(sft.SFTConfig(**{**SINK_RUN, "out_dir": str(tmp_path / "sink")}))
+    assert result.steps == 2 and np.isfinite(result.history[-1]["loss"])
+    want = {"n_sink": 2, "window": 16, "layer_sinks": [2, 3], "learn_sinks": True}
+    assert attention.attention_settings(result.model) == want
+    assert attention.attention_settings(tmp_path / "sink") == want
+    # the sink logits were in the optimizers (warm-up and SFT): they left their initial value
+    logits = attention.sink_parameters(result.model)
+    assert len(logits) == 2 and all((p != attention.DEFAULT_SINK_LOGIT).all() for p in logits)
+    assert json.loads((tmp_path / "sink" / "sft_config.json").read_text())["attention"] == "sinkflex"
+    # the saved folder loads as the model that was trained: 64 tokens, four windows of 16
+    ids = torch.randint(3, 500, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        trained = result.model(input_ids=ids).logits
+        reloaded = models.load_policy(tmp_path / "sink")(input_ids=ids).logits
+        full = models.load_policy(tmp_path / "sink", attn_implementation="sdpa")
+        attention.apply(full, window=None, n_sink=0)  # the same weights and sink logits, no window
+        wide = full(input_ids=ids).logits
+    torch.testing.assert_close(reloaded, trained, rtol=0, atol=1e-5)
+    assert (wide - trained).abs().max() > 1e-3  # the window matters here, so the comparison above can fail
+    # continuing the run keeps its learned sink logits; continuing it on full attention is refused
+    cont = sft._build_model(sft.SFTConfig(**{**SINK_RUN, "init_from": str(tmp_path / "sink")}), result.tokenizer)
+    assert all(torch.equal(a, b) for a, b in zip(attention.sink_parameters(cont), logits))
+    with pytest.raises(train.ConfigError, match="trained with sink attention"):
+        sft._build_model(sft.SFTConfig(**{**SINK_RUN, "attention": "sdpa", "init_from": str(tmp_path / "sink")}),
+                         result.tokenizer)
+    # the attention is part of the key of train_or_reuse: the same run is reused, the full-attention one is not
+    def no_training(cfg):
+        raise AssertionError("trained again")
+
+    monkeypatch.setattr(sft, "train_sft", no_training)
+    assert sft.train_or_reuse(sft.SFTConfig(**{**SINK_RUN, "out_dir": str(tmp_path / "sink")})) == tmp_path / "sink"
+    with pytest.raises(AssertionError, match="trained again"):
+        sft.train_or_reuse(sft.SFTConfig(**{**SINK_RUN, "window": 32, "out_dir": str(tmp_path / "sink")}))
+
+
+def test_a_saved_config_from_before_the_attention_options_is_reused_as_full_attention(tmp_path, monkeypatch):
+    cfg = sft.SFTConfig(**{**SMALL, "out_dir": str(tmp_path)})
+    old = {k: v for k, v in json.loads(json.dumps(cfg.__dict__)).items()
+           if k not in ("attention", "n_sink", "window", "learn_sinks", "layer_sinks")}
+    (tmp_path / "sft_config.json").write_text(json.dumps(old))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+
+    def no_training(cfg):
+        raise AssertionError("trained again")
+
+    monkeypatch.setattr(sft, "train_sft", no_training)
+    assert sft.train_or_reuse(cfg) == tmp_path
+    with pytest.raises(AssertionError, match="trained again"):
+        sft.train_or_reuse(sft.SFTConfig(**{**SMALL, "out_dir": str(tmp_path), "attention": "sinkflex"}))

@@ -99,3 +99,45 @@ def test_measure_plays_full_and_sink_attention_and_reuses_finished_parts(random_
     tests[tests["attention"] == "saved"].to_csv(random_start / "test_rewards.csv", index=False)
     start.measure(random_start, test_samples=1, screen_samples=1, progress=False, test_tasks=2, screen_tasks=2)
     assert len(calls) == 4 and calls[-1] is not None
+
+
+TINY_RECIPE = dict(hidden_size=64, num_layers=2, max_total_tokens=512, max_turns=2, max_new_tokens_per_turn=8,
+                   batch_tokens=2048, train_tasks=2, val_tasks=1, max_steps=2, eval_every=2, warmup_steps=1,
+                   copy_warmup_steps=2, copy_warmup_length=64, copy_fraction=0.0, stop_at_reward=0.0)
+
+
+@pytest.mark.slow
+def test_sink_stage_continues_the_sft_on_the_presets_sink_attention_and_the_card_says_so(tmp_path, monkeypatch):
+    from sinkflex_core import sft
+    from sinkflex_core.train import layer_sinks
+
+    # the recipe's sizes cut to seconds: two SFT steps per stage, two test tasks, no screen
+    monkeypatch.setattr(start, "RECIPE", TINY_RECIPE)
+    monkeypatch.setattr(start, "SINK_STAGE_STEPS", 2)
+    real_measure = start.measure
+    monkeypatch.setattr(start, "measure", lambda out, test_samples, screen_samples, progress:
+                        real_measure(out, test_samples, screen_samples, progress, test_tasks=2))
+    ids = torch.randint(3, 500, (2, 96), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(layer_sinks, "expert_calibration_ids", lambda cfg, tok: ids)
+    out = start.build(tmp_path / "start", tmp_path / "work", threads=1, test_samples=1, screen_samples=0,
+                      progress=False, sink_stage=True)
+    work = tmp_path / "work"
+    stage = sft.saved_config(work / "sft_sink")
+    counts = A.load_layer_sinks(work / "sft")  # estimated on the full-attention stage
+    assert (stage["init_from"], stage["attention"], stage["max_steps"]) == (str(work / "sft"), "sinkflex", 2)
+    preset = train.resolve_config("tiny-cpu")
+    assert (stage["n_sink"], stage["window"], stage["learn_sinks"]) == (preset.n_sink, preset.window, True)
+    assert stage["layer_sinks"] == str(work / "sft" / "sinkflex_sinks.json")
+    # the start is the sink stage's policy, with the attention it trained with and those counts
+    assert train.policy_digest(out) == train.policy_digest(work / "sft_sink")
+    assert A.attention_settings(out) == {"n_sink": preset.n_sink, "window": preset.window, "layer_sinks": counts,
+                                         "learn_sinks": True}
+    assert A.load_layer_sinks(out) == counts
+    model = load_policy(out)
+    assert [A._layer_settings(m) for m in A._attention_modules(model)] == [(c, preset.window) for c in counts]
+    assert sorted(p.name for p in (out / "recipe").glob("*_config.json")) == [
+        "stage1_sft_config.json", "stage2_sft_sink_config.json"]
+    card = (out / "README.md").read_text()
+    assert f"sink attention: a window of {preset.window} keys, with the learned zero-value sink" in card
+    assert "Trained with full causal attention" not in card and "Test reward with its saved sink attention" in card
+    assert "python -m sinkflex_core.start --sink-stage" in card and card == start.card_text(out)
