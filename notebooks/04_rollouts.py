@@ -52,7 +52,6 @@ print(tok.convert_ids_to_tokens(delta.ids({"role": "tool", "content": '{"status"
 # `AgentBackend` puts a scripted agent behind the generation interface: the oracle's text is tokenized the canonical way, so its trajectories must equal the chat template's tokens exactly, and they solve their tasks. They are also the data of the warm-up below. The policy sees a compact prompt (a one-line system prompt, no tool list): the tiny model learns the tools from these conversations.
 
 # %%
-# NBVAL_CHECK_OUTPUT
 from sinkflex_core.rollout import AgentBackend, RolloutConfig, check_template_consistency, collect_rollouts
 
 ENV = "sinkflex/Retail-v0"

@@ -99,7 +99,6 @@ if preset == "tiny-cpu":
     print(pd.Series(acc).round(3).to_string())
 
 # %%
-# NBVAL_CHECK_OUTPUT
 # Which test tasks need a value the customer only describes in words (a new address, the items of an order)?
 import collections
 
