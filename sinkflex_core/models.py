@@ -22,6 +22,7 @@ Qwen2.5's format, which the template reproduces (its wording is ours):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -409,6 +410,31 @@ def count_parameters(model) -> int:
 # Saved policies
 # ----------------------------------------------------------------------------------------------------
 
+class _SinkLogitsReport(logging.Filter):
+    """Drops transformers' load report when the only keys it names are the learned sink logits, which
+    the stock architecture does not have and :func:`load_policy` loads itself right after; any other
+    key (missing, unexpected, mismatched) keeps the report."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if "LOAD REPORT" not in text:
+            return True
+        rows = [line for line in text.splitlines() if "|" in line and ("UNEXPECTED" in line or "MISSING" in line
+                                                                     or "MISMATCH" in line)]
+        return not rows or not all("sinkflex_sink_logits" in line and "UNEXPECTED" in line for line in rows)
+
+
+@contextlib.contextmanager
+def _quiet_about_sink_logits():
+    log = logging.getLogger("transformers.modeling_utils")
+    flt = _SinkLogitsReport()
+    log.addFilter(flt)
+    try:
+        yield
+    finally:
+        log.removeFilter(flt)
+
+
 def load_policy(path: str | os.PathLike, *, base_model: str | None = None, dtype=None, device=None,
                 attn_implementation: str | None = None):
     """A saved policy folder as a transformers causal LM in eval mode, **with the attention it was
@@ -442,7 +468,8 @@ def load_policy(path: str | os.PathLike, *, base_model: str | None = None, dtype
             raise ValueError(f"{path} holds LoRA adapters without the name of their base model: pass base_model=")
         model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        with _quiet_about_sink_logits():
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if settings is not None:
         attention.apply(model, n_sink=settings["n_sink"], window=settings["window"],
                         layer_sinks=settings["layer_sinks"], learn_sinks=settings["learn_sinks"])

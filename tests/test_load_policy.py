@@ -113,3 +113,30 @@ def test_a_sink_policy_is_not_served_by_vllm_with_plain_attention(tmp_path):
     model.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="sink attention"):
         VLLMBackend(model_path=str(tmp_path))
+
+
+def test_the_load_report_about_our_sink_logits_alone_is_dropped(tmp_path, caplog):
+    """A folder whose weights file holds the learned sink logits (as the SFT saves it) makes transformers
+    report them as unexpected keys; load_policy loads them itself, so that report alone is noise. A
+    report that names any other key is kept."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    model = A.apply(build_model(tiny_qwen2_config(vocab_size=300, hidden_size=32, num_layers=2)), n_sink=2,
+                    window=8)
+    _move_sinks(model)
+    model.save_pretrained(tmp_path)
+    A.save_attention_settings(model, tmp_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    assert any("sinkflex_sink_logits" in k for k in weights)  # the case the filter is for
+    with caplog.at_level(logging.WARNING):
+        loaded = load_policy(tmp_path)
+    assert "LOAD REPORT" not in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(A.sink_parameters(loaded), A.sink_parameters(model)))
+    save_file({**weights, "model.stray.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        load_policy(tmp_path)
+    assert "LOAD REPORT" in caplog.text and "model.stray.weight" in caplog.text
