@@ -269,3 +269,63 @@ def summarize_curves(df) -> Any:
         out = pd.concat([out, pd.DataFrame([{"seed": "mean", **num.mean().to_dict()},
                                             {"seed": "std", **num.std().to_dict()}])], ignore_index=True)
     return out
+
+
+def paired_gains(test, draws: int = 4000, seed: int = 0) -> Any:
+    """The held-out gain of each run of a recording, with a paired bootstrap 95 % interval over tasks.
+
+    ``test`` has one row per (``attention``, ``seed``, ``task``): ``start_successes`` (the start policy,
+    played with that attention), ``end_successes`` (the run's final policy) and ``tries`` (episodes per
+    task for each; the same sampling seeds for both, so the two differ only by the policy). Returns one
+    row per attention and seed, then one per attention over all its seeds (``seed`` = "all": each task's
+    gain averaged over the seeds first), with ``start``, ``end``, ``gain`` (means over tasks of the success
+    rates), ``low`` and ``high`` (2.5 % and 97.5 % quantiles of the gain's mean when the tasks are drawn
+    again with replacement, the same draw for the start and the end: paired), ``tasks`` and ``tries``."""
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+
+    def row(attn, seed_label, start, end, tries, n_tasks):
+        gain = end - start
+        idx = rng.integers(0, len(gain), (draws, len(gain)))
+        boot = gain[idx].mean(axis=1)
+        return {"attention": attn, "seed": seed_label, "start": float(start.mean()), "end": float(end.mean()),
+                "gain": float(gain.mean()), "low": float(np.quantile(boot, 0.025)),
+                "high": float(np.quantile(boot, 0.975)), "tasks": n_tasks, "tries": tries}
+
+    rows = []
+    for attn, arm in test.groupby("attention", sort=False):
+        per_task = []
+        for s, g in arm.groupby("seed"):
+            g = g.sort_values("task")
+            start = g["start_successes"].to_numpy(float) / g["tries"].to_numpy(float)
+            end = g["end_successes"].to_numpy(float) / g["tries"].to_numpy(float)
+            rows.append(row(attn, s, start, end, int(g["tries"].iloc[0]), len(g)))
+            per_task.append(pd.DataFrame({"task": g["task"].to_numpy(), "start": start, "end": end}))
+        both = pd.concat(per_task).groupby("task")[["start", "end"]].mean()
+        rows.append(row(attn, "all", both["start"].to_numpy(), both["end"].to_numpy(),
+                        int(arm["tries"].iloc[0]) * arm["seed"].nunique(), len(both)))
+    return pd.DataFrame(rows)
+
+
+def gain_difference(test, a: str, b: str, draws: int = 4000, seed: int = 0) -> dict:
+    """How much more attention ``a``'s runs gained than ``b``'s on the same held-out tasks (tables as in
+    :func:`paired_gains`; each task's gain averaged over each attention's seeds), with a paired bootstrap
+    95 % interval over tasks: ``{"difference", "low", "high", "tasks"}``."""
+    import numpy as np
+
+    def per_task(attn):
+        arm = test[test["attention"] == attn]
+        if arm.empty:
+            raise ValueError(f"no rows with attention {attn!r} (have {sorted(test['attention'].unique())})")
+        rate = (arm["end_successes"] - arm["start_successes"]) / arm["tries"]
+        return arm.assign(g=rate).groupby("task")["g"].mean()
+
+    ga, gb = per_task(a), per_task(b)
+    common = ga.index.intersection(gb.index)
+    diff = (ga.loc[common] - gb.loc[common]).to_numpy(float)
+    rng = np.random.default_rng(seed)
+    boot = diff[rng.integers(0, len(diff), (draws, len(diff)))].mean(axis=1)
+    return {"difference": float(diff.mean()), "low": float(np.quantile(boot, 0.025)),
+            "high": float(np.quantile(boot, 0.975)), "tasks": int(len(diff))}
