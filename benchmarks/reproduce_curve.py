@@ -1,24 +1,29 @@
-"""The paper's retail learning curve at small scale: GRPO with 3 seeds from the shipped start policy
-(``data/retail-tiny-start``, :mod:`sinkflex_core.start`), or from a start trained here.
+"""The paper's retail learning curve at small scale: GRPO from the shipped start policy
+(``data/retail-tiny-start``, :mod:`sinkflex_core.start`), 3 seeds with the tiny-cpu preset's sink
+attention and 3 with stock causal attention, then each final policy and the start on every held-out
+test task x 8 episodes.
 
-    python benchmarks/reproduce_curve.py                    # from the shipped start, with its screen of
-                                                            # the training tasks, seeds 0 1 2
+    python benchmarks/reproduce_curve.py                    # 3 seeds x {sinkflex, sdpa}, two runs at a
+                                                            # time (one thread each), then the tests
+    python benchmarks/reproduce_curve.py --attentions sinkflex --seeds 0
     python benchmarks/reproduce_curve.py --train-start      # SFT here first (cached in runs/curve/sft and
-                                                            # runs/curve/sft_identity), then its screen
-                                                            # (cached in runs/curve/train_screen.csv)
-    python benchmarks/reproduce_curve.py --parallel 3       # the seeds side by side, one thread each
-    python benchmarks/reproduce_curve.py --smoke            # a minute: tiny settings, nothing written to data/
+                                                            # runs/curve/sft_identity)
+    python benchmarks/reproduce_curve.py --screen-samples 4 # train only on the training tasks the start
+                                                            # solved sometimes in 4 tries each
+    python benchmarks/reproduce_curve.py --smoke            # a few minutes: tiny settings, nothing written to data/
     python benchmarks/reproduce_curve.py --record-only      # rewrite data/ from the finished runs
 
-GRPO trains only on the training tasks that the SFT start solved sometimes but not always in
-``--screen-samples`` episodes each (:func:`sinkflex_core.train.screen_or_reuse`, about 20 minutes for
-600 tasks x 4 on 2 cores, once per start; ``--screen-samples 0``: on all of them): of the others,
-every group has equal rewards and teaches nothing.
+Each run trains for the preset's budget (``max_minutes``, 10 minutes), on all 600 training tasks unless
+``--screen-samples`` is given. The start is measured once per attention (cached in its
+``test_rewards.csv``); each final policy plays the same tasks with the same sampling seeds, so the
+per-task difference is paired.
 
-Writes ``data/reward_curve.csv`` (the test-reward curve of every seed, long format, with provenance)
-and ``data/reward_curve_seed{N}.csv`` (every per-step metric of that seed's run), then prints the
-reward at the start and end of each seed, the gain, and mean and spread over seeds. The paper's
-figure: 0.25 -> 0.44 (+0.19).
+Writes ``data/reward_curve.csv`` (every step of every run: the training reward, the update's metrics,
+the evaluations logged while training, with provenance) and ``data/reward_curve_test.csv`` (the start's
+and each final policy's successes per held-out task), then prints the training reward at the first and
+last step of each run and the held-out gain of each run and of each attention over its seeds, with a
+paired bootstrap 95 % interval over tasks (``train.paired_gains``), and the difference between the two
+attentions' gains (``train.gain_difference``). The paper's figure: 0.25 -> 0.44 (+0.19).
 """
 
 from __future__ import annotations
@@ -136,24 +141,75 @@ def grpo_config(sft_dir: Path, seed: int, out_dir: Path, smoke: bool, threads: i
     return train.resolve_config("tiny-cpu", values)
 
 
+#: The attentions a recording compares: the tiny-cpu preset's (sink tokens + window + learned sink,
+#: per-layer counts) and stock causal attention, the same start and everything else equal.
+ATTENTIONS = ("sinkflex", "sdpa")
+
+
+def run_dir_of(out_root: Path, attention: str, seed: int) -> Path:
+    return out_root / attention / f"grpo_seed{seed}"
+
+
+def start_test_rows(sft_dir: Path, attention: str, samples: int, tasks: int) -> pd.DataFrame:
+    """The start's held-out successes as the ``attention`` run starts it: full attention as saved for
+    ``sdpa``, the preset's sink attention for ``sinkflex`` (measured once per start and cached in its
+    ``test_rewards.csv`` by :func:`sinkflex_core.start.measure`)."""
+    from sinkflex_core.attention import attention_settings
+    from sinkflex_core.train.evaluate import attention_label
+
+    if attention_settings(sft_dir) is None and not (sft_dir / "sinkflex_sinks.json").is_file():
+        start.estimate_sinks(sft_dir)  # a start trained here: its per-layer sink counts, as the runs estimate them
+    start.measure(sft_dir, test_samples=samples, screen_samples=0, test_tasks=tasks, progress=False)
+    table = pd.read_csv(sft_dir / "test_rewards.csv", dtype={"policy_digest": str})
+    saved = attention_settings(sft_dir) is not None  # a start trained with sink attention plays with its own
+    label = "saved" if attention == "sdpa" or saved else attention_label(start.sink_settings(sft_dir))
+    rows = table[(table["attention"] == label) & (table["tries"] == samples)]
+    if rows["task"].nunique() != tasks:
+        raise RuntimeError(f"{sft_dir / 'test_rewards.csv'} has no {tasks} x {samples} rows for {label}")
+    return rows
+
+
+def measure_run(run_dir: Path, samples: int, tasks: int) -> Path:
+    """The final policy of a finished run (``RUN_DIR/policy``, with the attention it trained with) on the
+    first ``tasks`` test tasks x ``samples``, sampling seed 0 as the start's measurement: ``test_rewards.csv``."""
+    path = run_dir / "test_rewards.csv"
+    digest = train.policy_digest(run_dir / "policy")
+    if path.is_file():
+        old = pd.read_csv(path, dtype={"policy_digest": str})
+        if old["policy_digest"].eq(digest).all() and len(old) == tasks and (old["tries"] == samples).all():
+            return path
+    t0 = time.perf_counter()
+    table = train.success_table(run_dir / "policy", "test", list(range(tasks)), samples, progress=False)
+    table["minutes"] = round((time.perf_counter() - t0) / 60, 2)
+    table.to_csv(path, index=False)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--out-root", default="runs/curve", help="SFT and GRPO run folders")
+    p.add_argument("--attentions", nargs="+", default=list(ATTENTIONS), choices=ATTENTIONS,
+                   help="the runs' attention: the preset's sink attention and/or stock causal attention")
+    p.add_argument("--out-root", default="runs/curve", help="SFT and GRPO run folders (OUT_ROOT/ATTENTION/grpo_seedN)")
     p.add_argument("--sft-dir", default=None,
                    help="the start policy folder (default: the shipped start, data/retail-tiny-start)")
     p.add_argument("--train-start", action="store_true",
                    help="train the start here instead: OUT_ROOT/sft continued into OUT_ROOT/sft_identity")
-    p.add_argument("--parallel", type=int, default=1, help="seeds run at once (each with 2/N threads)")
+    p.add_argument("--parallel", type=int, default=2,
+                   help="runs at once (each with 2/N threads; the recording ran 2, one thread each)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="GRPO config override")
-    p.add_argument("--screen-samples", type=int, default=4,
-                   help="episodes per training task in the screen of the SFT start (0: no screen, GRPO on all "
-                        "tasks; ignored with --set task_screen=FILE)")
+    p.add_argument("--screen-samples", type=int, default=0,
+                   help="episodes per training task in a screen of the start, GRPO then training on the tasks "
+                        "it solved sometimes (0: no screen, GRPO on all training tasks; ignored with "
+                        "--set task_screen=FILE)")
+    p.add_argument("--test-samples", type=int, default=8,
+                   help="episodes per held-out test task for the start and each final policy (0: none)")
     p.add_argument("--smoke", action="store_true", help="tiny settings; prints, writes nothing to data/")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--record-only", action="store_true",
                    help="train nothing: write data/ from the finished runs in OUT_ROOT (pass the --sft-dir, "
-                        "--seeds and --parallel they ran with)")
+                        "--seeds, --attentions and --parallel they ran with)")
+    p.add_argument("--measure", default=None, metavar="RUN_DIR", help=argparse.SUPPRESS)  # one run's final test
     args = p.parse_args(argv)
 
     root = repo_root()
@@ -161,13 +217,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         out_root = out_root / "smoke"
     threads = max(1, (os.cpu_count() or 2) // max(1, args.parallel))
+    n_test = 4 if args.smoke else train.count_tasks("sinkflex/Retail-v0", "test")
+    test_samples = min(args.test_samples, 2) if args.smoke else args.test_samples
+    if args.measure:
+        import torch
+
+        torch.set_num_threads(threads)
+        measure_run(Path(args.measure), test_samples, n_test)
+        return 0
     if args.record_only:
-        sft_dir = Path(args.sft_dir) if args.sft_dir else out_root / "sft_identity"
-        missing = [str(d) for d in [sft_dir] + [out_root / f"grpo_seed{s}" for s in args.seeds]
+        sft_dir = Path(args.sft_dir) if args.sft_dir else start.start_dir()
+        missing = [str(d) for d in [sft_dir] + [run_dir_of(out_root, a, s) for a in args.attentions for s in args.seeds]
                    if not d.is_dir()]
         if missing:
             p.error(f"--record-only: no finished run in {', '.join(missing)}")
-        return record(out_root, sft_dir, args.seeds, args.parallel, args.smoke)
+        return record(out_root, sft_dir, args.attentions, args.seeds, args.parallel, args.smoke, test_samples, n_test)
     if args.sft_dir:
         sft_dir = Path(args.sft_dir)
     elif args.train_start or args.smoke or not (start.start_dir() / "model.safetensors").is_file():
@@ -175,13 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         sft_dir = start.start_dir()
     overrides = dict(kv.split("=", 1) for kv in args.set)
-    if args.screen_samples < 0:
-        p.error("--screen-samples must be >= 0")
+    if "attention" in overrides:
+        p.error("choose the attention with --attentions, not --set attention=...")
+    if args.screen_samples < 0 or args.test_samples < 0:
+        p.error("--screen-samples and --test-samples must be >= 0")
     if args.screen_samples and "task_screen" not in overrides:
         if args.smoke:  # the smoke policy solves nothing: a screen would leave no task
             print("smoke: no screen of the training tasks", flush=True)
-        elif (sft_dir / "train_screen.csv").is_file() and args.screen_samples == 4:  # the start's own screen
-            screen = sft_dir / "train_screen.csv"
         else:
             screen = train.screen_or_reuse(sft_dir, out_root / "train_screen.csv", samples=args.screen_samples,
                                            progress=not args.no_progress)
@@ -189,70 +253,105 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_progress:
         overrides["progress"] = "false"
 
-    # Each seed is its own process (clean state; several at once with --parallel).
-    pending, running, t0 = list(args.seeds), {}, time.perf_counter()
-    while pending or running:
-        while pending and len(running) < args.parallel:
-            seed = pending.pop(0)
-            run_dir = out_root / f"grpo_seed{seed}"
-            cfg = grpo_config(sft_dir, seed, run_dir, args.smoke, threads, overrides)
+    # Each run and each final test is its own process (clean state; --parallel at once), the two
+    # attentions of a seed side by side, so that they share the machine alike.
+    jobs = [("train", a, s) for s in args.seeds for a in args.attentions]
+    if test_samples:
+        jobs += [("test", a, s) for s in args.seeds for a in args.attentions]
+    running, t0 = {}, time.perf_counter()
+    while jobs or running:
+        while jobs and len(running) < args.parallel:
+            kind, attention, seed = jobs[0]
+            run_dir = run_dir_of(out_root, attention, seed)
+            if kind == "test" and any(k == "train" for k, _, _ in running):
+                break  # a final test waits for every run to finish training
+            jobs.pop(0)
             run_dir.mkdir(parents=True, exist_ok=True)
-            cfg_path = run_dir / "requested_config.json"
-            cfg_path.write_text(json.dumps(cfg.to_dict(), indent=1))
-            log = open(run_dir / "train.log", "a")
-            cmd = [sys.executable, "-m", "sinkflex_core.train", "--config", str(cfg_path)]
-            print(f"seed {seed}: {' '.join(cmd[1:])} (log {run_dir / 'train.log'})", flush=True)
-            running[seed] = (subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT), log, run_dir,
-                             time.perf_counter())
+            log = open(run_dir / f"{kind}.log", "a")
+            if kind == "train":
+                over = {**overrides, "attention": attention}
+                cfg = grpo_config(sft_dir, seed, run_dir, args.smoke, threads, over)
+                cfg_path = run_dir / "requested_config.json"
+                cfg_path.write_text(json.dumps(cfg.to_dict(), indent=1))
+                cmd = [sys.executable, "-m", "sinkflex_core.train", "--config", str(cfg_path)]
+            else:
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", str(run_dir),
+                       "--parallel", str(args.parallel), "--test-samples", str(args.test_samples)] + \
+                    (["--smoke"] if args.smoke else [])
+            print(f"{attention} seed {seed}: {kind} (log {run_dir / f'{kind}.log'})", flush=True)
+            running[(kind, attention, seed)] = (subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT),
+                                                log, run_dir, time.perf_counter())
         time.sleep(2)
-        for seed, (proc, log, run_dir, started) in list(running.items()):
+        for key, (proc, log, run_dir, started) in list(running.items()):
             if proc.poll() is not None:
                 log.close()
-                del running[seed]
+                del running[key]
                 now = time.perf_counter()
-                print(f"seed {seed}: exit {proc.returncode} after {(now - started) / 60:.1f} min "
-                      f"({(now - t0) / 60:.1f} min since the first seed started)", flush=True)
+                print(f"{key[1]} seed {key[2]}: {key[0]} exit {proc.returncode} after {(now - started) / 60:.1f} min "
+                      f"({(now - t0) / 60:.1f} min since the first run started)", flush=True)
                 if proc.returncode != 0:
-                    print((run_dir / "train.log").read_text()[-3000:], file=sys.stderr)
+                    print((run_dir / f"{key[0]}.log").read_text()[-3000:], file=sys.stderr)
                     return proc.returncode
 
-    return record(out_root, sft_dir, args.seeds, args.parallel, args.smoke)
+    return record(out_root, sft_dir, args.attentions, args.seeds, args.parallel, args.smoke, test_samples, n_test)
 
 
-def record(out_root: Path, sft_dir: Path, seeds: list[int], parallel: int, smoke: bool) -> int:
-    """Write the data/ tables from the finished runs (nothing when ``smoke``) and print the summary."""
+def record(out_root: Path, sft_dir: Path, attentions: list[str], seeds: list[int], parallel: int, smoke: bool,
+           test_samples: int, n_test: int) -> int:
+    """Write the data/ tables from the finished runs (nothing when ``smoke``) and print the summary:
+    ``reward_curve.csv`` (every step of every run: training reward, update metrics, the evaluations
+    logged while training) and ``reward_curve_test.csv`` (each run's start and final policy on the
+    held-out tasks, one row per task)."""
     stages = [p for p in sft_stages(sft_dir) if (p / "sft_history.csv").is_file()]
     parts = stage_histories(stages)
     sft_extra = sft_summary(parts)
     if parts and not smoke:
         write_sft_table(parts)
-    tables = []
-    for seed in seeds:
-        run_dir = out_root / f"grpo_seed{seed}"
-        screen = json.loads((run_dir / "config.json").read_text()).get("task_screen", "")
-        df = train.curve_table(run_dir, seed, parallel_runs=parallel, task_screen=Path(screen).name if screen else "",
-                               **sft_extra)
-        tables.append(df)
-        if not smoke:
-            df.to_csv(data_dir() / f"reward_curve_seed{seed}.csv", index=False)
+    tables, tests = [], []
+    for attention in attentions:
+        for seed in seeds:
+            run_dir = run_dir_of(out_root, attention, seed)
+            screen = json.loads((run_dir / "config.json").read_text()).get("task_screen", "")
+            tables.append(train.curve_table(run_dir, seed, attention=attention, parallel_runs=parallel,
+                                            task_screen=Path(screen).name if screen else "", **sft_extra))
+            if test_samples:
+                begin = start_test_rows(sft_dir, attention, test_samples, n_test).sort_values("task")
+                end = pd.read_csv(run_dir / "test_rewards.csv", dtype={"policy_digest": str}).sort_values("task")
+                tests.append(pd.DataFrame({
+                    "attention": attention, "seed": seed, "task": end["task"].to_numpy(), "kind": end["kind"].to_numpy(),
+                    "start_successes": begin["successes"].to_numpy(), "end_successes": end["successes"].to_numpy(),
+                    "tries": end["tries"].to_numpy(),
+                    "start_rate": begin["successes"].to_numpy() / begin["tries"].to_numpy(),
+                    "end_rate": end["successes"].to_numpy() / end["tries"].to_numpy(),
+                    "start_policy": begin["policy_digest"].to_numpy(), "end_policy": end["policy_digest"].to_numpy(),
+                    "start_attention": begin["attention"].to_numpy(), "steps": int(tables[-1]["step"].max()),
+                    **{k: end[k].iloc[0] for k in ("reward_version", "date", "git_sha", "hardware", "torch",
+                                                   "transformers", "python") if k in end}}))
     full = pd.concat(tables, ignore_index=True)
-    # each seed's evaluations; data/paper_claims.csv matches the paper's end on each seed's last one
-    curve = train.evaluations(full)
-    keep = train.CURVE_COLUMNS + [c for c in full.columns if c not in train.METRIC_COLUMNS and c != "seed"] + \
-        ["last_eval"]
+    front = ["attention", "seed", "step"]
+    full = full[front + [c for c in full.columns if c not in front]]
     if not smoke:
-        curve[keep].to_csv(data_dir() / "reward_curve.csv", index=False)
-    summary = train.summarize_curves(full)
+        full.to_csv(data_dir() / "reward_curve.csv", index=False)
     pd.set_option("display.width", 160)
-    print("\nmean test reward (held-out tasks), first and last evaluation of each seed:")
-    print(summary.round(3).to_string(index=False))
-    per_seed = summary[~summary["seed"].isin(["mean", "std"])]
-    gain = per_seed["gain"]
-    print(f"\ngain over {len(gain)} seed(s): mean {gain.mean():+.3f}, min {gain.min():+.3f}, max {gain.max():+.3f} "
-          f"(paper: {PAPER_START:.2f} -> {PAPER_END:.2f}, {PAPER_END - PAPER_START:+.2f}); start mean "
-          f"{per_seed['start'].mean():.3f}, end mean {per_seed['end'].mean():.3f}")
+    print("\ntraining reward (mean of the step's episodes), first and last step of each run:")
+    for (attention, seed), g in full.groupby(["attention", "seed"], sort=False):
+        g = g.dropna(subset=["reward_mean"]).sort_values("step")  # the row of step 0 is the first evaluation
+        print(f"  {attention:8s} seed {seed}: {g['reward_mean'].iloc[0]:.3f} -> {g['reward_mean'].iloc[-1]:.3f} "
+              f"({int(g['step'].max())} steps, {g['elapsed_s'].max() / 60:.1f} min)")
+    if tests:
+        test = pd.concat(tests, ignore_index=True)
+        if not smoke:
+            test.to_csv(data_dir() / "reward_curve_test.csv", index=False)
+        gains = train.paired_gains(test)
+        print(f"\nheld-out test reward, {n_test} tasks x {test_samples}, start -> end (paired bootstrap 95 % "
+              f"interval of the gain over tasks):")
+        print(gains.round(3).to_string(index=False))
+        if set(ATTENTIONS) <= set(test["attention"]):
+            d = train.gain_difference(test, "sinkflex", "sdpa")
+            print(f"\nsinkflex gain - sdpa gain: {d['difference']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] "
+                  f"(paper: {PAPER_START:.2f} -> {PAPER_END:.2f}, {PAPER_END - PAPER_START:+.2f})")
     if not smoke:
-        print(f"written: {data_dir() / 'reward_curve.csv'} and reward_curve_seed*.csv")
+        print(f"written: {data_dir() / 'reward_curve.csv'}" + (" and reward_curve_test.csv" if tests else ""))
     return 0
 
 

@@ -369,3 +369,39 @@ def test_reward_figure_draws_the_sft_stages_the_recorded_seeds_and_a_run_of_ones
     assert "1.6M parameters" in fig._suptitle.get_text()
     # no data at all: the empty panels with the paper's lines, no error
     assert len(train.reward_figure().axes) == 2
+
+
+def _test_table(start, end, attention="sinkflex", seeds=(0,), tries=4):
+    rows = [{"attention": attention, "seed": s, "task": t, "start_successes": a, "end_successes": b, "tries": tries}
+            for s in seeds for t, (a, b) in enumerate(zip(start, end[s] if isinstance(end, dict) else end))]
+    return pd.DataFrame(rows)
+
+
+def test_paired_gains_per_seed_and_over_seeds_with_a_paired_interval():
+    # two tasks: start 0/4 and 2/4; seed 0 ends 2/4 and 2/4 (+0.25), seed 1 ends 0/4 and 4/4 (+0.25)
+    test = _test_table([0, 2], {0: [2, 2], 1: [0, 4]}, seeds=(0, 1))
+    g = train.paired_gains(test, draws=2000).set_index("seed")
+    assert g.loc[0, "start"] == 0.25 and g.loc[0, "end"] == 0.5 and g.loc[0, "gain"] == 0.25
+    # seed 0 gains 0.5 on task 0 and 0 on task 1: the resampled mean lies in [0, 0.5] and reaches both
+    assert g.loc[0, "low"] == 0.0 and g.loc[0, "high"] == 0.5
+    # over both seeds each task gains 0.25 on average: every resample has mean 0.25 (paired, no spread)
+    assert g.loc["all", "gain"] == 0.25 and g.loc["all", "low"] == 0.25 and g.loc["all", "high"] == 0.25
+    assert g.loc["all", "tries"] == 8 and g.loc["all", "tasks"] == 2
+
+
+def test_paired_interval_is_narrower_than_the_spread_of_the_tasks():
+    # every task gains exactly 1 success in 8 over a very different start: the paired interval is a point
+    start = list(range(0, 8)) * 5
+    test = _test_table(start, [s + 1 for s in start], tries=9)
+    g = train.paired_gains(test).iloc[-1]
+    assert abs(g["gain"] - 1 / 9) < 1e-12 and abs(g["low"] - 1 / 9) < 1e-12 and abs(g["high"] - 1 / 9) < 1e-12
+
+
+def test_gain_difference_between_attentions_is_paired_by_task():
+    a = _test_table([0, 0, 4], [2, 2, 4], attention="sinkflex")
+    b = _test_table([1, 1, 4], [1, 1, 4], attention="sdpa")
+    d = train.gain_difference(pd.concat([a, b]), "sinkflex", "sdpa")
+    assert abs(d["difference"] - (0.5 + 0.5 + 0) / 3) < 1e-12 and d["tasks"] == 3
+    assert 0 <= d["low"] <= d["difference"] <= d["high"] <= 0.5
+    with pytest.raises(ValueError, match="no rows with attention 'eager'"):
+        train.gain_difference(a, "sinkflex", "eager")
