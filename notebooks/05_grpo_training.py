@@ -162,47 +162,34 @@ if preset == "tiny-cpu":  # the attention this run trained (and sampled) with, a
     print(gap.to_string(index=False, float_format=lambda v: f"{v:.2e}"))
 
 # %% [markdown]
-# ## The recorded 3-seed curve
+# ## The recorded curves: sink attention against full attention
 #
-# `benchmarks/reproduce_curve.py` records a curve: several seeds from one start, every evaluation written to `data/reward_curve.csv` with its provenance (date, commit, hardware, library versions). The figure below is drawn from that file and the SFT's `data/reward_curve_sft.csv` by `train.reward_figure`, the same figure notebook 07 regenerates; a default-mode run of this notebook is added to it in its own colour.
+# `benchmarks/reproduce_curve.py` records the method end to end from the shipped start: 3 seeds with the preset's sink attention and 3 with stock causal attention (`attention="sdpa"`), everything else equal, each run 10 minutes of training on all 600 training tasks (two runs side by side, one core each). Then the start and every final policy play all 120 test tasks 8 times each with the same sampling seeds, so each task's difference between start and end is paired. `data/reward_curve.csv` holds every step of every run and `data/reward_curve_test.csv` the test table, both with their provenance (date, commit, hardware, library versions). The table below is `train.paired_gains`: the gain of each run and of each attention over its seeds, with a 95 % interval from resampling the tasks (the same draw for start and end).
 #
-# The recorded curve predates the shipped start and sink attention in the preset: 3 seeds of about 13 minutes from an earlier two-stage SFT start, full attention (`attention="sdpa"`), trained on the 90 training tasks that start solved sometimes. Test reward went from 0.056 to 0.092 (mean of 3 seeds), a gain of +0.036 ± 0.043 (standard deviation over seeds): not distinguishable from zero, since one evaluation of 120 episodes carries noise of about ±0.03 on its own. Played 16 times on each of the 60 test tasks, the final policies scored 0.087, 0.143 and 0.107 (pass@1) against 0.049 for that start.
-#
-# What limits the gain: GRPO raises the probability of what the policy already samples now and then. That start solved only 14 of the 60 test tasks at all in 16 tries (read-only questions and plain cancellations, worth 0.30 of the test reward); every task that needs a value the customer describes in words stayed at 0, and GRPO sharpened what the start sometimes did without teaching it anything new. A stronger start is the way to a larger gain. `docs/experiments.md` has the commands and the other runs (more steps, all 600 tasks, lower learning rates, longer SFT).
+# RECORDED_PROSE
 
 # %%
 # NBVAL_CHECK_OUTPUT
-recorded_path = data_dir() / "reward_curve.csv"
-recorded = pd.read_csv(recorded_path) if recorded_path.is_file() else None
-if recorded is None:
+curve_path, test_path = data_dir() / "reward_curve.csv", data_dir() / "reward_curve_test.csv"
+recorded = pd.read_csv(curve_path) if curve_path.is_file() else None
+recorded_test = pd.read_csv(test_path) if test_path.is_file() else None
+if recorded_test is None:
     print("no recorded curve yet: run `python benchmarks/reproduce_curve.py`")
 else:
-    summary = train.summarize_curves(recorded)
-    print(summary.round(3).to_string(index=False))
-    prov = recorded.iloc[0]
-    print(f"\nrecorded on {prov['hardware']}, torch {prov['torch']}, transformers {prov['transformers']}, "
+    print(train.paired_gains(recorded_test).round(3).to_string(index=False))
+    diff = train.gain_difference(recorded_test, "sinkflex", "sdpa")
+    print(f"\nsinkflex gain - sdpa gain: {diff['difference']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]")
+    runs = recorded.groupby(["attention", "seed"], sort=False).agg(steps=("step", "max"),
+                                                                  minutes=("elapsed_s", lambda v: v.max() / 60))
+    print(f"steps per run: {runs['steps'].min()}-{runs['steps'].max()}, "
+          f"{runs['minutes'].min():.1f}-{runs['minutes'].max():.1f} minutes each")
+    prov = recorded_test.iloc[0]
+    print(f"recorded on {prov['hardware']}, torch {prov['torch']}, transformers {prov['transformers']}, "
           f"commit {prov['git_sha']}")
-    # the figures quoted above, recomputed from the recorded rows (evaluations and 16-try replays)
-    gains = summary[~summary["seed"].isin(["mean", "std"])]["gain"].astype(float)
-    print(f"test reward gain over {len(gains)} seeds: {gains.mean():+.3f} ± {gains.std():.3f}, "
-          f"between {gains.min():+.3f} and {gains.max():+.3f}")
-    replays = {name: data_dir() / f"pass_at_k_{name}.csv"
-               for name in ("sft_start", "screened_seed0", "screened_seed1", "screened_seed2")}
-    if all(path.is_file() for path in replays.values()):
-        pass1 = {name: (lambda t: t["successes"].sum() / t["tries"].sum())(pd.read_csv(path))
-                 for name, path in replays.items()}
-        final = pd.Series([pass1[f"screened_seed{i}"] for i in range(3)]) - pass1["sft_start"]
-        print("pass@1 over 60 test tasks x 16:", ", ".join(f"{k} {v:.3f}" for k, v in pass1.items()),
-              f"| gain {final.mean():+.3f} ± {final.std():.3f}")
 
 # %%
-sft_path = data_dir() / "reward_curve_sft.csv"
-sft_recorded = pd.read_csv(sft_path) if sft_path.is_file() else None
 # The same figure as notebook 07's, with this notebook's run added in default mode.
-all_tasks_path = data_dir() / "reward_curve_all_tasks.csv"  # the recording before the screen: GRPO on all tasks
-all_tasks = pd.read_csv(all_tasks_path) if all_tasks_path.is_file() else None
-fig = train.reward_figure(recorded, sft_recorded, live if preset == "tiny-cpu" and not smoke else None,
-                          baseline=all_tasks)
+fig = train.reward_figure(recorded, recorded_test, live if preset == "tiny-cpu" and not smoke else None)
 fig.savefig(figures_dir() / "reward_curve.png", dpi=120)
 plt.show()
 
@@ -215,7 +202,7 @@ plt.show()
 #    screen, `data/train_screen_sft_start.csv` (4 tries each), and compute the chance that a group of G
 #    episodes has all rewards equal, `p**G + (1 - p)**G`, averaged over all 600 training tasks and over the 90
 #    that `train.screened_tasks` keeps, for G (`group_size`) = 4, 8 and 16. Compare with the column
-#    `frac_groups_all_equal` of `data/reward_curve_seed0.csv`. Without the screen, what share of the groups
+#    `frac_groups_all_equal` of `data/reward_curve_screened_seed0.csv` (the recorded runs on those 90 tasks). Without the screen, what share of the groups
 #    would get advantage 0 everywhere, and what does a larger group buy?
 # 2. **A sampler that is not the trainer.** Teacher-force a few of the oracle's test episodes
 #    (`sft.expert_examples(tokenizer, sft.SFTConfig(), [0, 1, 2, 3], split="test")`) through the shipped start
@@ -230,6 +217,6 @@ plt.show()
 #    gain in pass@1 with a 95 % bootstrap interval, resampling the tasks once for both policies (paired),
 #    then resampling each policy's tasks on its own (unpaired). Which intervals exclude 0, and why is the
 #    paired one narrower? Compare with the gains of the evaluations logged during training
-#    (`train.summarize_curves` on `data/reward_curve.csv`).
+#    (`train.summarize_curves` on `data/reward_curve_screened.csv`).
 #
 # Solutions: [`solutions/05_grpo_training.py`](solutions/05_grpo_training.py), one cell per exercise that runs and prints what to look for (JupyterLab with jupytext opens it as a notebook; or `jupytext --to ipynb notebooks/solutions/05_grpo_training.py`).

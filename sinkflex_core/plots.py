@@ -45,41 +45,94 @@ def plot_reward_curves(df, ax=None, label: str = "", color: str | None = None, x
     return ax
 
 
-def reward_figure(recorded=None, sft_recorded=None, live=None, baseline=None):
-    """The figure ``figures/reward_curve.png`` (notebooks 05 and 07): the SFT start's validation reward
-    per stage (``data/reward_curve_sft.csv``) beside GRPO's test reward for every recorded seed
-    (``data/reward_curve.csv``), with the paper's start and end; ``live``, a curve table of a run of
-    one's own, is added in its own colour, and ``baseline``, the recorded seeds of GRPO on all the
-    training tasks (``data/reward_curve_all_tasks.csv``, recorded under reward version 1), in grey.
-    Any of them may be None."""
+ATTENTION_COLORS = {"sinkflex": "tab:blue", "sdpa": "tab:gray"}
+
+
+def plot_training_reward(df, ax=None, label: str = "", color: str | None = None):
+    """Training reward (mean reward of each step's episodes) against the GRPO step for every seed of a
+    table of per-step metrics (thin lines), with the mean over seeds at the steps every seed reached."""
     import matplotlib.pyplot as plt
 
-    fig, (ax0, ax) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1, 1.4]})
-    if sft_recorded is not None:
-        x = "total_step" if "total_step" in sft_recorded else "step"
-        for run, g in sft_recorded.groupby("run", sort=False):
-            ax0.plot(g[x], g["val_reward"], marker="o", label=f"{run} (peak lr {g['peak_lr'].iloc[0]:g})")
-    ax0.axhline(PAPER_REWARD_START, color="grey", ls=":", lw=1, label=f"wanted start: {PAPER_REWARD_START}")
-    ax0.set_xlabel("SFT step")
-    ax0.set_ylabel("mean reward, held-out training tasks")
-    ax0.set_title("SFT start (data/reward_curve_sft.csv)", fontsize=10)
-    ax0.grid(alpha=0.3)
-    ax0.legend(fontsize=8)
-    if baseline is not None:
-        plot_reward_curves(baseline, ax=ax, label="all training tasks (reward v1):", color="tab:gray")
-    if recorded is not None:
-        plot_reward_curves(recorded, ax=ax, label="screened tasks:", color="tab:blue")
-    if live is not None:
-        plot_reward_curves(live, ax=ax, label="this run:", color="tab:orange")
-    ax.axhline(PAPER_REWARD_START, color="grey", ls=":", lw=1, label=f"paper, start: {PAPER_REWARD_START}")
-    ax.axhline(PAPER_REWARD_END, color="grey", ls="--", lw=1, label=f"paper, end: {PAPER_REWARD_END} (7B, 8 x H100)")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4))
+    steps = df.dropna(subset=["reward_mean"])
+    seeds = sorted(steps["seed"].unique())
+    for seed in seeds:
+        g = steps[steps["seed"] == seed].sort_values("step")
+        ax.plot(g["step"], g["reward_mean"], color=color, alpha=0.35 if len(seeds) > 1 else 1.0, lw=1,
+                label=f"{label} seed {seed}" if len(seeds) == 1 else None)
+    if len(seeds) > 1:
+        shared = steps.groupby("step")["seed"].transform("nunique") == len(seeds)
+        mean = steps[shared].groupby("step")["reward_mean"].mean()
+        ax.plot(mean.index, mean.values, color=color, lw=2.2, label=f"{label} mean of {len(seeds)} seeds")
     ax.set_xlabel("GRPO step")
+    ax.set_ylabel("training reward (mean of the step's 64 episodes)")
+    ax.grid(alpha=0.3)
+    return ax
+
+
+def plot_test_gains(test, ax=None):
+    """Held-out test reward of the start and of the final policies (a recording's ``reward_curve_test.csv``,
+    :func:`sinkflex_core.train.paired_gains`), one line per attention over all its seeds: the means with
+    95 % bootstrap intervals over tasks, and the gain with its paired interval in the legend."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from .train.evaluate import paired_gains
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(5, 4))
+    gains = paired_gains(test)
+    rng = np.random.default_rng(0)
+    for i, (attention, arm) in enumerate(test.groupby("attention", sort=False)):
+        per_task = arm.groupby("task")[["start_rate", "end_rate"]].mean()
+        means, errs = [], [[], []]
+        for col in ("start_rate", "end_rate"):
+            v = per_task[col].to_numpy(float)
+            boot = v[rng.integers(0, len(v), (4000, len(v)))].mean(axis=1)
+            means.append(v.mean())
+            errs[0].append(v.mean() - np.quantile(boot, 0.025))
+            errs[1].append(np.quantile(boot, 0.975) - v.mean())
+        g = gains[(gains["attention"] == attention) & (gains["seed"] == "all")].iloc[0]
+        xs = np.array([0, 1]) + (i - 0.5) * 0.08
+        ax.errorbar(xs, means, yerr=errs, color=ATTENTION_COLORS.get(attention), marker="o", capsize=4, lw=2,
+                    label=f"{attention}: {g['start']:.3f} -> {g['end']:.3f}, gain {g['gain']:+.3f} "
+                          f"[{g['low']:+.3f}, {g['high']:+.3f}]")
+    n_seeds = test.groupby("attention")["seed"].nunique().max()
+    ax.set_xticks([0, 1], ["start", f"after GRPO ({n_seeds} seeds)"])
+    ax.set_xlim(-0.4, 1.4)
     ax.set_ylabel("mean test reward")
     ax.grid(alpha=0.3)
-    ax.set_title("GRPO: test reward (data/reward_curve.csv)", fontsize=10)
+    return ax
+
+
+def reward_figure(curve=None, test=None, live=None):
+    """The figure ``figures/reward_curve.png`` (notebooks 05 and 07) of a recording
+    (``benchmarks/reproduce_curve.py``): the training reward per step of every run by attention
+    (``data/reward_curve.csv``) and the held-out test reward of the start and the final policies with
+    their intervals (``data/reward_curve_test.csv``), the paper's start and end beside them; ``live``, the
+    per-step metrics of a run of one's own, is added in its own colour. Any of them may be None."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax1) = plt.subplots(1, 2, figsize=(12, 4.4), gridspec_kw={"width_ratios": [1.4, 1]})
+    if curve is not None:
+        for attention, g in curve.groupby("attention", sort=False):
+            plot_training_reward(g, ax=ax, label=f"{attention}:", color=ATTENTION_COLORS.get(attention))
+    if live is not None:
+        plot_training_reward(live, ax=ax, label="this run:", color="tab:orange")
+    ax.set_title("GRPO: training reward per step (data/reward_curve.csv)", fontsize=10)
+    if test is not None:
+        plot_test_gains(test, ax=ax1)
+    for a in (ax, ax1):
+        a.axhline(PAPER_REWARD_START, color="grey", ls=":", lw=1, label=f"paper, start: {PAPER_REWARD_START}")
+        a.axhline(PAPER_REWARD_END, color="grey", ls="--", lw=1,
+                  label=f"paper, end: {PAPER_REWARD_END} (7B, 8 x H100)")
+    tasks = f"{test['task'].nunique()} tasks x {int(test['tries'].iloc[0])}" if test is not None else "not recorded"
+    ax1.set_title(f"held-out test reward ({tasks}; data/reward_curve_test.csv)", fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
-    n_params = f"{recorded['parameters'].iloc[0] / 1e6:.1f}M parameters, " \
-        if recorded is not None and "parameters" in recorded else ""
+    ax1.legend(fontsize=7, loc="upper left")
+    n_params = f"{curve['parameters'].iloc[0] / 1e6:.1f}M parameters, " \
+        if curve is not None and "parameters" in curve else ""
     fig.suptitle(f"Retail store, tiny Qwen2 policy ({n_params}trained from scratch) on a 2-core CPU", fontsize=11)
     fig.tight_layout()
     return fig
@@ -239,15 +292,13 @@ def regenerate_figures(data: Path | None = None, figures: Path | None = None):
     else:
         done.append(("attention_time.png", "data/attention_*.csv", "skipped: not in data/ yet"))
 
-    curve = data / "reward_curve.csv"
+    curve, test = data / "reward_curve.csv", data / "reward_curve_test.csv"
     if curve.exists():
-        extra = {name: data / f"reward_curve_{name}.csv" for name in ("sft", "all_tasks")}
-        extra = {name: pd.read_csv(path) for name, path in extra.items() if path.exists()}
         # The same figure as notebook 05's (which may add a run of one's own).
-        fig = reward_figure(pd.read_csv(curve), extra.get("sft"), baseline=extra.get("all_tasks"))
+        fig = reward_figure(pd.read_csv(curve), pd.read_csv(test) if test.exists() else None)
         fig.savefig(figures / "reward_curve.png", dpi=120)
         plt.close(fig)
-        done.append(("reward_curve.png", ", ".join(["reward_curve.csv"] + [f"reward_curve_{n}.csv" for n in extra]),
+        done.append(("reward_curve.png", "reward_curve.csv" + (", reward_curve_test.csv" if test.exists() else ""),
                      "regenerated"))
     else:
         done.append(("reward_curve.png", "reward_curve.csv", "skipped: not in data/ yet (benchmarks/reproduce_curve.py)"))

@@ -185,17 +185,17 @@ def test_paper_table_reads_the_recorded_measurements(tmp_path):
     fresh.drop(columns=["file", "recorded"]).to_csv(tmp_path / "vram_h200.csv", index=False)
     table = bench.paper_vs_ours(tmp_path).set_index("claim")
     assert table.loc["peak VRAM, standard setup, 4,096 tokens", "ours"] == "30.00 GiB"
-    # the reward claims: the mean over seeds of the first evaluation and of each seed's last one
+    # the reward claims: the sinkflex runs' start and end on the held-out tasks (means over seeds and tasks)
     import pandas as pd
 
-    pd.DataFrame({"seed": [0, 0, 1, 1, 1], "step": [0, 6, 0, 4, 8], "eval_reward": [0.1, 0.3, 0.2, 0.9, 0.5],
-                  "last_eval": [False, True, False, False, True], "hardware": "cpu"}).to_csv(
-        tmp_path / "reward_curve.csv", index=False)
+    pd.DataFrame({"attention": ["sinkflex"] * 4 + ["sdpa"] * 2, "seed": [0, 0, 1, 1, 0, 0], "task": [0, 1] * 3,
+                  "start_rate": [0.1, 0.2, 0.1, 0.2, 0.9, 0.9], "end_rate": [0.3, 0.5, 0.3, 0.5, 0.0, 0.0],
+                  "hardware": "cpu"}).to_csv(tmp_path / "reward_curve_test.csv", index=False)
     table = bench.paper_vs_ours(tmp_path).set_index("claim")
     assert table.loc["retail mean reward at the start of GRPO training", "ours"] == "0.15 reward"
     assert table.loc["retail mean reward at the end of GRPO training", "ours"] == "0.40 reward"
     gain = table.loc["retail reward gained during GRPO training (end - start)"]
-    assert gain["ours"] == "+0.25 reward" and gain["from"] == "reward_curve.csv"
+    assert gain["ours"] == "+0.25 reward" and gain["from"] == "reward_curve_test.csv"
     # a tiny CPU policy's reward beside the paper's 7B model's: side by side, no gap or percentage
     assert gain["gap"] == "not compared: other model scale"
     assert table.loc["retail mean reward at the start of GRPO training", "gap"] == "not compared: other model scale"
@@ -252,18 +252,16 @@ def test_targets_and_figures_from_a_gpu_run(tmp_path):
 def test_reward_figure_is_regenerated_from_the_recorded_curves(tmp_path):
     import pandas as pd
 
-    pd.DataFrame({"seed": [0, 0, 1, 1], "step": [0, 6, 0, 8], "eval_reward": [0.1, 0.3, 0.2, 0.5],
-                  "elapsed_s": [0, 600, 0, 700], "last_eval": [False, True, False, True]}).to_csv(
+    pd.DataFrame({"attention": ["sinkflex"] * 3 + ["sdpa"] * 3, "seed": 0, "step": [0, 1, 2] * 2,
+                  "reward_mean": [None, 0.1, 0.3, None, 0.2, 0.2], "parameters": 1.6e6}).to_csv(
         tmp_path / "reward_curve.csv", index=False)
-    pd.DataFrame({"run": ["sft"], "step": [500], "total_step": [500], "val_reward": [0.05], "peak_lr": [2e-3]}).to_csv(
-        tmp_path / "reward_curve_sft.csv", index=False)
     made = bench.regenerate_figures(tmp_path, tmp_path / "fig").set_index("figure")
     assert made.loc["reward_curve.png", "status"] == "regenerated"
-    assert made.loc["reward_curve.png", "made_from"] == "reward_curve.csv, reward_curve_sft.csv"
-    (tmp_path / "reward_curve.csv").rename(tmp_path / "reward_curve_all_tasks.csv")
-    pd.DataFrame({"seed": [0, 0], "step": [0, 6], "eval_reward": [0.1, 0.4], "elapsed_s": [0, 600],
-                  "last_eval": [False, True]}).to_csv(tmp_path / "reward_curve.csv", index=False)
+    assert made.loc["reward_curve.png", "made_from"] == "reward_curve.csv"
+    pd.DataFrame({"attention": ["sinkflex"] * 2 + ["sdpa"] * 2, "seed": 0, "task": [0, 1] * 2,
+                  "start_successes": [0, 1, 0, 1], "end_successes": [2, 1, 0, 2], "tries": 4,
+                  "start_rate": [0, 0.25, 0, 0.25], "end_rate": [0.5, 0.25, 0, 0.5]}).to_csv(
+        tmp_path / "reward_curve_test.csv", index=False)
     made = bench.regenerate_figures(tmp_path, tmp_path / "fig").set_index("figure")
-    assert made.loc["reward_curve.png", "made_from"] == \
-        "reward_curve.csv, reward_curve_sft.csv, reward_curve_all_tasks.csv"
+    assert made.loc["reward_curve.png", "made_from"] == "reward_curve.csv, reward_curve_test.csv"
     assert (tmp_path / "fig" / "reward_curve.png").stat().st_size > 10_000

@@ -349,23 +349,28 @@ def test_evaluations_and_summary_take_each_seeds_last_evaluation_as_its_end():
     assert s.loc["mean", "gain"] == pytest.approx(0.0) and s.loc["mean", "start"] == pytest.approx(0.2)
 
 
-def test_reward_figure_draws_the_sft_stages_the_recorded_seeds_and_a_run_of_ones_own():
+def test_reward_figure_draws_each_attentions_runs_their_test_gains_and_a_run_of_ones_own():
     import matplotlib
+    import numpy as np
 
     matplotlib.use("Agg")
-    sft_recorded = pd.DataFrame({"run": ["sft", "sft", "sft_identity"], "step": [500, 1000, 250],
-                                 "total_step": [500, 1000, 1250], "val_reward": [0.0, 0.05, 0.05],
-                                 "peak_lr": [2e-3, 2e-3, 1e-3]})
-    live = _two_seeds()[lambda d: d["seed"] == 0]
-    fig = train.reward_figure(_two_seeds(), sft_recorded, live, baseline=_two_seeds())
-    sft_ax, grpo_ax = fig.axes
-    stages = [line for line in sft_ax.lines if line.get_label().startswith("sft")]
-    assert [list(line.get_xdata()) for line in stages] == [[500, 1000], [1250]]
-    labels = [line.get_label() for line in grpo_ax.lines]
-    assert any(label.startswith("screened tasks: mean of 2 seeds") for label in labels)
-    assert any(label.startswith("this run: seed 0") for label in labels)
-    assert any(label.startswith("all training tasks (reward v1): mean of 2 seeds") for label in labels)
+    curve = pd.DataFrame({"attention": ["sinkflex"] * 6 + ["sdpa"] * 6, "seed": [0, 0, 0, 1, 1, 1] * 2,
+                          "step": [0, 1, 2] * 4, "parameters": 1.6e6,
+                          "reward_mean": [None, 0.1, 0.3, None, 0.3, 0.5, None, 0.2, 0.2, None, 0.0, 0.2]})
+    test = pd.concat([_test_table([0, 4], [4, 4], attention="sinkflex"), _test_table([0, 4], [0, 4], attention="sdpa")])
+    test = test.assign(start_rate=test["start_successes"] / 4, end_rate=test["end_successes"] / 4)
+    live = curve[(curve["attention"] == "sinkflex") & (curve["seed"] == 0)].drop(columns="attention")
+    fig = train.reward_figure(curve, test, live)
+    steps_ax, test_ax = fig.axes
+    mean = next(line for line in steps_ax.lines if line.get_label() == "sinkflex: mean of 2 seeds")
+    assert list(mean.get_xdata()) == [1, 2] and np.allclose(mean.get_ydata(), [0.2, 0.4])
+    labels = [line.get_label() for line in steps_ax.lines]
+    assert "sdpa: mean of 2 seeds" in labels and "this run: seed 0" in labels
     assert any(label.startswith("paper, end: 0.44") for label in labels)
+    legend = [t.get_text() for t in test_ax.get_legend().get_texts()]
+    # sinkflex: task 0 goes 0 -> 1, task 1 stays at 1: 0.5 -> 1.0; sdpa: no change
+    assert any(t.startswith("sinkflex: 0.500 -> 1.000, gain +0.500") for t in legend)
+    assert any(t.startswith("sdpa: 0.500 -> 0.500, gain +0.000 [+0.000, +0.000]") for t in legend)
     assert "1.6M parameters" in fig._suptitle.get_text()
     # no data at all: the empty panels with the paper's lines, no error
     assert len(train.reward_figure().axes) == 2

@@ -50,7 +50,7 @@ print(f"{'G':>3} {'all 600 tasks':>14} {'90 screened':>12}   (expected share of 
 for g in (4, 8, 16):
     uniform = p**g + (1 - p) ** g
     print(f"{g:>3} {uniform.mean():14.3f} {uniform[kept].mean():12.3f}")
-recorded = pd.concat([pd.read_csv(data_dir() / f"reward_curve_seed{s}.csv") for s in range(3)])
+recorded = pd.concat([pd.read_csv(data_dir() / f"reward_curve_screened_seed{s}.csv") for s in range(3)])
 steps = recorded.dropna(subset=["frac_groups_all_equal"])
 print(f"recorded (G = 8, screened tasks, 3 seeds x {len(steps) // 3} steps): "
       f"{steps['frac_groups_all_equal'].mean():.3f} of the groups all equal, "
@@ -171,7 +171,7 @@ for seed in range(3):
           f"unpaired [{ulo:+.3f}, {uhi:+.3f}]; tasks better {(diff > 0).sum()}, worse {(diff < 0).sum()}, "
           f"equal {(diff == 0).sum()}")
     assert hi - lo < uhi - ulo
-curve = train.summarize_curves(pd.read_csv(data_dir() / "reward_curve.csv"))
+curve = train.summarize_curves(pd.read_csv(data_dir() / "reward_curve_screened.csv"))
 print("\nthe evaluations during training (60 tasks x 2, first and last):")
 print(curve[["seed", "start", "end", "gain"]].round(3).to_string(index=False))
 

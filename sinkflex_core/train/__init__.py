@@ -16,7 +16,14 @@ The modules, in the order a step uses them:
 - ``evaluate``: pass@k, success tables, the task screen, reward-curve tables.
 """
 
-from ..plots import PAPER_REWARD_END, PAPER_REWARD_START, plot_reward_curves, reward_figure
+from ..plots import (
+    PAPER_REWARD_END,
+    PAPER_REWARD_START,
+    plot_reward_curves,
+    plot_test_gains,
+    plot_training_reward,
+    reward_figure,
+)
 from .checkpoint import (
     file_digest,
     latest_checkpoint,
@@ -78,7 +85,7 @@ __all__ = [
     "evaluations", "gain_difference", "paired_gains", "expert_calibration_ids", "file_digest", "frozen_logprobs", "grpo_update", "init_distributed", "is_optional",
     "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_model", "load_tokenizer", "loss_config",
     "lr_lambda", "main", "micro_batches", "option", "parse_field", "parse_value", "per_task_rewards",
-    "plot_reward_curves", "policy_digest", "position_in_group", "resolve_config", "reward_figure",
+    "plot_reward_curves", "plot_test_gains", "plot_training_reward", "policy_digest", "position_in_group", "resolve_config", "reward_figure",
     "resolve_layer_sinks", "reward_version", "rng_state",
     "rollout_config", "save_checkpoint", "screen_or_reuse", "screened_tasks", "set_rng_state", "shard_model",
     "success_counts", "success_table", "summarize_curves", "task_kinds", "torchrun_command",
