@@ -78,7 +78,7 @@ def plot_test_gains(test, ax=None):
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from .train.evaluate import paired_gains
+    from .train.evaluate import bootstrap_mean, paired_gains
 
     if ax is None:
         _, ax = plt.subplots(figsize=(5, 4))
@@ -88,11 +88,10 @@ def plot_test_gains(test, ax=None):
         per_task = arm.groupby("task")[["start_rate", "end_rate"]].mean()
         means, errs = [], [[], []]
         for col in ("start_rate", "end_rate"):
-            v = per_task[col].to_numpy(float)
-            boot = v[rng.integers(0, len(v), (4000, len(v)))].mean(axis=1)
-            means.append(v.mean())
-            errs[0].append(v.mean() - np.quantile(boot, 0.025))
-            errs[1].append(np.quantile(boot, 0.975) - v.mean())
+            mean, low, high = bootstrap_mean(per_task[col], rng=rng)
+            means.append(mean)
+            errs[0].append(mean - low)
+            errs[1].append(high - mean)
         g = gains[(gains["attention"] == attention) & (gains["seed"] == "all")].iloc[0]
         xs = np.array([0, 1]) + (i - 0.5) * 0.08
         ax.errorbar(xs, means, yerr=errs, color=ATTENTION_COLORS.get(attention), marker="o", capsize=4, lw=2,

@@ -203,10 +203,9 @@ def _interval(successes, tries, draws: int = 2000, seed: int = 0) -> tuple[float
     """Mean success rate and a 95 % bootstrap interval over tasks (tasks resampled)."""
     import numpy as np
 
-    rate = np.asarray(successes, float) / np.asarray(tries, float)
-    rng = np.random.default_rng(seed)
-    means = rate[rng.integers(0, len(rate), (draws, len(rate)))].mean(axis=1)
-    return float(rate.mean()), float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
+    from .train.evaluate import bootstrap_mean
+
+    return bootstrap_mean(np.asarray(successes, float) / np.asarray(tries, float), draws, seed)
 
 
 def measured_rewards(folder: str | Path | None = None):

@@ -57,6 +57,7 @@ from .data import TaskSampler, concat_rollouts, count_tasks, derive_seed, positi
 from .distributed import Dist, init_distributed, shard_model
 from .evaluate import (
     CURVE_COLUMNS,
+    bootstrap_mean,
     curve_table,
     evaluations,
     gain_difference,
@@ -82,10 +83,12 @@ __all__ = [
     "PAPER_REWARD_START", "PRESETS", "TIMING_COLUMNS", "TINY_CPU", "ConfigError", "Dist", "MetricsLog",
     "TaskSampler", "TokenLogprobs", "TrainConfig", "Trainer", "add_config_arguments", "build_arg_parser",
     "causal_lm", "cli_value", "concat_rollouts", "config_from_argv", "count_tasks", "curve_table", "derive_seed",
-    "evaluations", "gain_difference", "paired_gains", "expert_calibration_ids", "file_digest", "frozen_logprobs", "grpo_update", "init_distributed", "is_optional",
+    "bootstrap_mean", "evaluations", "gain_difference", "paired_gains", "expert_calibration_ids", "file_digest",
+    "frozen_logprobs", "grpo_update", "init_distributed", "is_optional",
     "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_model", "load_tokenizer", "loss_config",
     "lr_lambda", "main", "micro_batches", "option", "parse_field", "parse_value", "per_task_rewards",
-    "plot_reward_curves", "plot_test_gains", "plot_training_reward", "policy_digest", "position_in_group", "resolve_config", "reward_figure",
+    "plot_reward_curves", "plot_test_gains", "plot_training_reward", "policy_digest", "position_in_group",
+    "resolve_config", "reward_figure",
     "resolve_layer_sinks", "reward_version", "rng_state",
     "rollout_config", "save_checkpoint", "screen_or_reuse", "screened_tasks", "set_rng_state", "shard_model",
     "success_counts", "success_table", "summarize_curves", "task_kinds", "torchrun_command",

@@ -271,6 +271,18 @@ def summarize_curves(df) -> Any:
     return out
 
 
+def bootstrap_mean(values, draws: int = 4000, seed: int = 0, rng=None) -> tuple[float, float, float]:
+    """The mean of ``values`` (one number per task) and a 95 % bootstrap interval of it: the 2.5 % and
+    97.5 % quantiles of the mean over ``draws`` resamples of the tasks with replacement, drawn by
+    ``rng`` (a numpy Generator, to continue one stream over several intervals) or a new one from ``seed``."""
+    import numpy as np
+
+    values = np.asarray(values, float)
+    rng = rng if rng is not None else np.random.default_rng(seed)
+    means = values[rng.integers(0, len(values), (draws, len(values)))].mean(axis=1)
+    return float(values.mean()), float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
+
+
 def paired_gains(test, draws: int = 4000, seed: int = 0) -> Any:
     """The held-out gain of each run of a recording, with a paired bootstrap 95 % interval over tasks.
 
@@ -284,15 +296,12 @@ def paired_gains(test, draws: int = 4000, seed: int = 0) -> Any:
     import numpy as np
     import pandas as pd
 
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed)  # one stream for every row, in table order
 
     def row(attn, seed_label, start, end, tries, n_tasks):
-        gain = end - start
-        idx = rng.integers(0, len(gain), (draws, len(gain)))
-        boot = gain[idx].mean(axis=1)
+        gain, low, high = bootstrap_mean(end - start, draws, rng=rng)
         return {"attention": attn, "seed": seed_label, "start": float(start.mean()), "end": float(end.mean()),
-                "gain": float(gain.mean()), "low": float(np.quantile(boot, 0.025)),
-                "high": float(np.quantile(boot, 0.975)), "tasks": n_tasks, "tries": tries}
+                "gain": gain, "low": low, "high": high, "tasks": n_tasks, "tries": tries}
 
     rows = []
     for attn, arm in test.groupby("attention", sort=False):
@@ -313,8 +322,6 @@ def gain_difference(test, a: str, b: str, draws: int = 4000, seed: int = 0) -> d
     """How much more attention ``a``'s runs gained than ``b``'s on the same held-out tasks (tables as in
     :func:`paired_gains`; each task's gain averaged over each attention's seeds), with a paired bootstrap
     95 % interval over tasks: ``{"difference", "low", "high", "tasks"}``."""
-    import numpy as np
-
     def per_task(attn):
         arm = test[test["attention"] == attn]
         if arm.empty:
@@ -324,8 +331,5 @@ def gain_difference(test, a: str, b: str, draws: int = 4000, seed: int = 0) -> d
 
     ga, gb = per_task(a), per_task(b)
     common = ga.index.intersection(gb.index)
-    diff = (ga.loc[common] - gb.loc[common]).to_numpy(float)
-    rng = np.random.default_rng(seed)
-    boot = diff[rng.integers(0, len(diff), (draws, len(diff)))].mean(axis=1)
-    return {"difference": float(diff.mean()), "low": float(np.quantile(boot, 0.025)),
-            "high": float(np.quantile(boot, 0.975)), "tasks": int(len(diff))}
+    difference, low, high = bootstrap_mean(ga.loc[common] - gb.loc[common], draws, seed)
+    return {"difference": difference, "low": low, "high": high, "tasks": int(len(common))}
