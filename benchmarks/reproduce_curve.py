@@ -309,13 +309,13 @@ def record(out_root: Path, sft_dir: Path, attentions: list[str], seeds: list[int
         write_sft_table(parts)
     tables, tests = [], []
     for attention in attentions:
+        begin = start_test_rows(sft_dir, attention, test_samples, n_test).sort_values("task") if test_samples else None
         for seed in seeds:
             run_dir = run_dir_of(out_root, attention, seed)
             screen = json.loads((run_dir / "config.json").read_text()).get("task_screen", "")
             tables.append(train.curve_table(run_dir, seed, attention=attention, parallel_runs=parallel,
                                             task_screen=Path(screen).name if screen else "", **sft_extra))
             if test_samples:
-                begin = start_test_rows(sft_dir, attention, test_samples, n_test).sort_values("task")
                 end = pd.read_csv(run_dir / "test_rewards.csv", dtype={"policy_digest": str}).sort_values("task")
                 tests.append(pd.DataFrame({
                     "attention": attention, "seed": seed, "task": end["task"].to_numpy(), "kind": end["kind"].to_numpy(),
