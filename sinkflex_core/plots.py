@@ -137,6 +137,50 @@ def reward_figure(curve=None, test=None, live=None):
     return fig
 
 
+TIMELINE_COLORS = {"rollout": "tab:blue", "update": "tab:orange", "wait": "0.85", "evaluation": "tab:green"}
+
+
+def plot_timeline(timelines: dict, steps: tuple[int, int] = (2, 6), axes=None):
+    """Timelines of runs side by side (:func:`sinkflex_core.train.step_timeline` tables by label, e.g.
+    ``{"sync": ..., "async k=1": ...}``), one panel each, for steps ``steps[0]`` to ``steps[1]``: the
+    learner's lane (its rollouts, or its wait for the worker's, then its updates) and, for an
+    asynchronous run, the worker's lane. Each panel's clock starts at its first step shown, so the panels
+    compare how long the same steps took."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if axes is None:
+        _, axes = plt.subplots(len(timelines), 1, figsize=(11, 1.1 + 1.0 * len(timelines)), sharex=True,
+                               squeeze=False)
+        axes = axes[:, 0]
+    first, last = steps
+    seen = set()
+    for ax, (label, tl) in zip(axes, timelines.items()):
+        shown = tl[(tl["step"] >= first) & (tl["step"] <= last) & (tl["activity"] != "evaluation")]
+        if shown.empty:
+            ax.set_title(f"{label}: no steps {first}-{last} with timings", fontsize=9)
+            continue
+        origin = shown[shown["lane"] == "learner"]["start"].min()
+        lanes = ["learner", "worker"] if (shown["lane"] == "worker").any() else ["learner"]
+        for y, lane in enumerate(lanes):
+            for r in shown[shown["lane"] == lane].itertuples(index=False):
+                ax.broken_barh([(r.start - origin, r.end - r.start)], (y - 0.35, 0.7),
+                               facecolors=TIMELINE_COLORS[r.activity], edgecolor="white", linewidth=0.8)
+                seen.add(r.activity)
+                if lane == "learner" and r.activity == "update" and r.end - r.start > 0:
+                    ax.text((r.start + r.end) / 2 - origin, y, str(r.step), ha="center", va="center", fontsize=7)
+        ax.set_yticks(range(len(lanes)), lanes)
+        ax.set_ylim(-0.6, len(lanes) - 0.4)
+        learner = shown[shown["lane"] == "learner"]
+        per_step = (learner["end"].max() - origin) / learner["step"].nunique()
+        ax.set_title(f"{label}: steps {first}-{last}, {per_step:.1f} s a step", fontsize=9, loc="left")
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1].set_xlabel("seconds from the first step shown")
+    axes[0].legend(handles=[Patch(color=TIMELINE_COLORS[a], label="wait for rollouts" if a == "wait" else a)
+                            for a in TIMELINE_COLORS if a in seen], fontsize=8, loc="upper right", ncol=4)
+    return axes
+
+
 # --------------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------------

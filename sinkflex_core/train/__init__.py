@@ -21,6 +21,7 @@ from ..plots import (
     PAPER_REWARD_START,
     plot_reward_curves,
     plot_test_gains,
+    plot_timeline,
     plot_training_reward,
     reward_figure,
 )
@@ -73,7 +74,7 @@ from .evaluate import (
     task_kinds,
 )
 from .layer_sinks import expert_calibration_ids, resolve_layer_sinks
-from .metrics import METRIC_COLUMNS, METRIC_HELP, TIMING_COLUMNS, MetricsLog
+from .metrics import METRIC_COLUMNS, METRIC_HELP, TIMING_COLUMNS, MetricsLog, step_timeline
 from .policy import TokenLogprobs, causal_lm, load_model, load_tokenizer, trainable_parameters
 from .trainer import Trainer, main
 from .update import frozen_logprobs, grpo_update, loss_config, lr_lambda, micro_batches
@@ -87,10 +88,10 @@ __all__ = [
     "frozen_logprobs", "grpo_update", "init_distributed", "is_optional",
     "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_model", "load_tokenizer", "loss_config",
     "lr_lambda", "main", "micro_batches", "option", "parse_field", "parse_value", "per_task_rewards",
-    "plot_reward_curves", "plot_test_gains", "plot_training_reward", "policy_digest", "position_in_group",
+    "plot_reward_curves", "plot_test_gains", "plot_timeline", "plot_training_reward", "policy_digest", "position_in_group",
     "resolve_config", "reward_figure",
     "resolve_layer_sinks", "reward_version", "rng_state",
     "rollout_config", "save_checkpoint", "screen_or_reuse", "screened_tasks", "set_rng_state", "shard_model",
-    "success_counts", "success_table", "summarize_curves", "task_kinds", "torchrun_command",
+    "step_timeline", "success_counts", "success_table", "summarize_curves", "task_kinds", "torchrun_command",
     "trainable_parameters", "trim_rows", "verify_checkpoint",
 ]

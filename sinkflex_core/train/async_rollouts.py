@@ -5,7 +5,10 @@ The learner (:class:`sinkflex_core.train.Trainer`) and the worker talk through t
 
     learner --requests--> worker    ("rollout", step, tasks, min_version, calls): play these tasks
     learner --weights---> worker    ("weights", version, state): the policy after `version` updates
-    worker  --results---> learner   ("batch", step, version, batches, seconds) or ("error", text)
+    worker  --results---> learner   ("batch", step, version, offset, batches, seconds, started) or ("error", text)
+
+(``started``: the wall-clock time, ``time.time()``, at which the worker began the call: the learner
+puts it on its own clock for the timeline that ``rollout_groups.jsonl`` records.)
 
 - **Tasks** come from the learner's :class:`TaskSampler`: a look-ahead copy draws the tasks of the steps
   submitted in advance, and the learner's own sampler advances only when a step is *trained*, so the
@@ -51,7 +54,8 @@ The price is that the step's groups (token ids, masks and log-probs, small besid
 through rank 0 on their way to the other ranks.
 
 Each trained step appends one line to ``out_dir/rollout_groups.jsonl`` (step, tasks, versions,
-staleness, dropped groups, groups per rank); a resumed run cuts it back to the checkpoint's step, like
+staleness, dropped groups, groups per rank, and ``worker_spans``: when each of the step's rollout calls
+ran in the worker, as ``[start, end]`` on the learner's ``elapsed_s`` clock); a resumed run cuts it back to the checkpoint's step, like
 ``metrics.csv``.
 """
 
@@ -131,11 +135,11 @@ def rollout_worker(cfg_dict: dict, parent_pid: int, requests, weights, results) 
             seed = derive_seed(cfg.seed, "train", step) & 0x7FFFFFFF
             for i, j in calls:
                 version = newest(min_version)
-                t0 = time.perf_counter()
+                t0, started = time.perf_counter(), time.time()
                 torch.manual_seed(seed)
                 rcfg = rollout_config_of(cfg, seed)
                 batch = rollout.collect_rollouts(backend, tokenizer, cfg.env_id, tasks[i:j], cfg.train_split, rcfg)
-                results.put(("batch", step, version, i, batch, time.perf_counter() - t0))
+                results.put(("batch", step, version, i, batch, time.perf_counter() - t0, started))
     except SystemExit:
         return
     except BaseException:
@@ -271,8 +275,10 @@ class AsyncRollouts:
                     raise RuntimeError(f"no rollouts from the worker in {_WAIT_S:.0f} s") from None
         if msg[0] == "error":
             raise RuntimeError("the rollout worker failed:\n" + msg[1])
-        _, step, version, offset, batch, seconds = msg
-        self.ready[step]["calls"][offset] = (version, batch, seconds)
+        _, step, version, offset, batch, seconds, started = msg
+        # the call's start on the learner's clock (elapsed_s): both processes read the same wall clock
+        begin = self.trainer.elapsed() - (time.time() - started)
+        self.ready[step]["calls"][offset] = (version, batch, seconds, begin)
 
     def _take_step(self, step: int) -> list[tuple[list[int], list, dict]]:
         """Rank 0: wait for step ``step``'s groups (dropping and resampling any older than ``k``), log
@@ -304,6 +310,7 @@ class AsyncRollouts:
         per_rank = [[c[1] for c, r in zip(calls, rank_of) if r == rank] for rank in range(self.dist.world)]
         self._log({"step": step, "tasks": tasks, "versions": [c[0] for c in calls], "trained_at": self.version,
                    "groups_dropped": dropped, "worker_pid": self.proc.pid,
+                   "worker_spans": [[round(c[3], 3), round(c[3] + c[2], 3)] for c in calls],
                    "rank_groups": [sum(len(b) // self.cfg.group_size for b in bs) for bs in per_rank]})
         return [(tasks, bs, last) for bs in per_rank]
 

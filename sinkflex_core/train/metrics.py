@@ -62,12 +62,17 @@ METRIC_HELP = {
     "tis_clip_frac": "share of the policy tokens whose behaviour weight was truncated at tis_cap",
     "tis_weight_mean": "mean behaviour weight over the policy tokens, after truncation",
     "rollout_worker_s": "the worker's own rollout time for the step's groups (rollout_s is the learner's wait for them)",
+    "step_start_s": "elapsed_s when the step began: its rollouts (or the wait for them) then its update follow "
+                    "(train.step_timeline)",
 }
 TIMING_COLUMNS = ("rollout_s", "update_s", "eval_s", "step_s", "elapsed_s")
 # async_rollouts and tis_cap (train.async_rollouts); empty in runs without them
 METRIC_COLUMNS += ["staleness_mean", "staleness_max", "groups_dropped", "tis_clip_frac", "tis_weight_mean",
                    "rollout_worker_s"]
 TIMING_COLUMNS += ("rollout_worker_s",)
+# the step's place on the elapsed_s clock: with rollout_s and update_s, the learner's timeline
+METRIC_COLUMNS += ["step_start_s"]
+TIMING_COLUMNS += ("step_start_s",)
 
 
 class MetricsLog:
@@ -125,3 +130,42 @@ def _fmt(v) -> str:
     return str(v)
 
 
+
+
+def step_timeline(run_dir: str | os.PathLike):
+    """What the learner and the rollout worker of a run did when, from its ``metrics.csv`` (and, for a run
+    with ``async_rollouts``, ``rollout_groups.jsonl``): one row per span, with ``lane`` ("learner" or
+    "worker"), ``activity`` ("rollout", "wait" for the worker's rollouts, "update", "evaluation"),
+    ``step`` and ``start`` / ``end`` in seconds on the run's ``elapsed_s`` clock. Steps logged without
+    ``step_start_s`` (runs from before it was recorded) are left out."""
+    import json
+
+    import pandas as pd
+
+    run_dir = Path(run_dir)
+    metrics = pd.read_csv(run_dir / "metrics.csv")
+    groups = run_dir / "rollout_groups.jsonl"
+    spans = {}
+    if groups.is_file():
+        for line in groups.read_text().splitlines():
+            if line.strip():
+                entry = json.loads(line)
+                spans[entry["step"]] = entry.get("worker_spans") or []
+    learner_rollout = "wait" if groups.is_file() else "rollout"
+    rows = []
+    for r in metrics.itertuples(index=False):
+        eval_s = r.eval_s if pd.notna(r.eval_s) else 0.0
+        if r.step == 0:
+            if eval_s:
+                rows.append(("learner", "evaluation", 0, r.elapsed_s - eval_s, r.elapsed_s))
+            continue
+        if "step_start_s" not in metrics or pd.isna(r.step_start_s):
+            continue
+        t = r.step_start_s
+        rows.append(("learner", learner_rollout, r.step, t, t + r.rollout_s))
+        rows.append(("learner", "update", r.step, t + r.rollout_s, t + r.rollout_s + r.update_s))
+        if eval_s:
+            end = t + r.rollout_s + r.update_s
+            rows.append(("learner", "evaluation", r.step, end, end + eval_s))
+        rows += [("worker", "rollout", r.step, a, b) for a, b in spans.get(r.step, [])]
+    return pd.DataFrame(rows, columns=["lane", "activity", "step", "start", "end"])

@@ -199,6 +199,7 @@ class Trainer:
     def step(self) -> dict:
         """Sample, score and learn from one batch of tasks; returns this step's metrics."""
         step = self.step_idx + 1
+        begin = self.elapsed()
         t0 = time.perf_counter()
         rows = self._collect_step(step) if self.async_rollouts is None else self.async_rollouts.next_rows(step)
         t_roll = time.perf_counter() - t0
@@ -211,7 +212,7 @@ class Trainer:
             self.async_rollouts.publish(step)  # the weights after `step` updates
         t_upd = time.perf_counter() - t0 - t_roll
         row = {"step": step, **self._step_metrics(rows, train_rows, acc), "rollout_s": t_roll,
-               "update_s": t_upd, **async_step_metrics(self, acc)}
+               "update_s": t_upd, "step_start_s": begin, **async_step_metrics(self, acc)}
         self.step_idx = step
         return row
 
@@ -334,7 +335,7 @@ class Trainer:
             "trainer": {"step": self.step_idx, "scheduler": self.scheduler.state_dict(),
                         "sampler": self.sampler.state_dict(), "train_task_ids": self.train_task_ids,
                         "config": self.cfg.to_dict(), "attention": self._attention_settings(),
-                        "elapsed_s": self._elapsed(), "world_size": self.dist.world},
+                        "elapsed_s": self.elapsed(), "world_size": self.dist.world},
         }
         return save_checkpoint(self.ckpt_dir, self.step_idx, payload, rank_payload={"rng": rng_state()},
                                dist=self.dist, keep=self.cfg.keep_checkpoints)
@@ -396,11 +397,12 @@ class Trainer:
 
         return attention.attention_settings(causal_lm(self.policy.lm))
 
-    def _elapsed(self) -> float:
+    def elapsed(self) -> float:
+        """Seconds of training so far, over resumes (the ``elapsed_s`` clock of the metrics)."""
         return self._elapsed_before + time.perf_counter() - self._t_start
 
     def _time_up(self) -> bool:
-        return self.cfg.max_minutes > 0 and self._elapsed() >= 60 * self.cfg.max_minutes
+        return self.cfg.max_minutes > 0 and self.elapsed() >= 60 * self.cfg.max_minutes
 
     # -- the loop ------------------------------------------------------------------------------------
     def _save_run_info(self) -> None:
@@ -443,7 +445,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 row = {"step": 0, **self.evaluate()}
                 row["eval_s"] = time.perf_counter() - t0
-                row["elapsed_s"] = self._elapsed()
+                row["elapsed_s"] = self.elapsed()
                 self._emit(row, bar)
             done = 0
             # a run resumed after its time budget was used up (it stopped on it) takes no further step
@@ -459,7 +461,7 @@ class Trainer:
                     # an evaluation that used up the budget is the final one: no further step and eval
                     time_up = self._time_up()
                 row["step_s"] = time.perf_counter() - t0
-                row["elapsed_s"] = self._elapsed()
+                row["elapsed_s"] = self.elapsed()
                 self._emit(row, bar)
                 if self._save_due(self.step_idx) or time_up:
                     self.save()

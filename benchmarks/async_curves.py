@@ -1,0 +1,185 @@
+"""Synchronous against asynchronous rollouts (``train.async_rollouts``), learning and wall-clock: GRPO
+from the shipped start policy (``data/retail-tiny-start``) with the tiny-cpu preset, 3 seeds each of
+
+- ``sync``: the single-process trainer, 2 torch threads (both cores);
+- ``async-k1``, ``async-k2``: learner and rollout worker in two processes of 1 thread each, groups at
+  most 1 (2) updates old, with the correction ``old_logprobs=recompute`` and ``tis_cap=2``
+  (``docs/async_rollouts.md``),
+
+one run at a time (so every run has the machine to itself), the same number of steps each; then each
+final policy on the first held-out test tasks, paired with the start's successes on the same tasks.
+
+    python benchmarks/async_curves.py                       # 3 configs x 3 seeds, then the tests
+    python benchmarks/async_curves.py --configs sync --seeds 0 --steps 4
+    python benchmarks/async_curves.py --smoke               # a few minutes, nothing written to data/
+    python benchmarks/async_curves.py --record-only         # rewrite data/ from the finished runs
+
+Runs go to ``OUT_ROOT/{config}/seed{N}`` (a finished run is reused). Writes ``data/async_curves.csv``
+(every step of every run, with ``config`` and provenance), ``data/async_timeline.csv`` (the learner's
+and the worker's spans of every run, ``train.step_timeline``) and ``data/async_curves_test.csv`` (per run
+and task: the start's and the final policy's success rates), and prints per config the median step time,
+the staleness, the training reward and the held-out gain with a paired bootstrap 95 % interval over tasks
+(each task's gain averaged over the seeds first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from sinkflex_core import train
+from sinkflex_core.paths import data_dir, repo_root
+
+CONFIGS = {
+    "sync": dict(async_rollouts=False, threads=2),
+    "async-k1": dict(async_rollouts=True, max_staleness=1, threads=1, old_logprobs="recompute", tis_cap=2.0),
+    "async-k2": dict(async_rollouts=True, max_staleness=2, threads=1, old_logprobs="recompute", tis_cap=2.0),
+}
+SMOKE = dict(tasks_per_step=2, group_size=2, max_total_tokens=512, max_turns=4, max_new_tokens_per_turn=32,
+             micro_batch_size=4, drop_uniform_groups=False)
+
+
+def run_config(policy: Path, config: str, seed: int, out_dir: Path, steps: int, smoke: bool):
+    # eval_tasks=1: the trainer's own evaluations (before the first and after the last step) are kept
+    # minimal; the held-out measurement is the paired one below
+    values = dict(model=str(policy), seed=seed, out_dir=str(out_dir), steps=steps, max_minutes=0.0, eval_every=0,
+                  eval_tasks=1, eval_samples=2, save_every=0, progress=False, tensorboard=False, **CONFIGS[config])
+    if smoke:
+        values.update(SMOKE)
+    return train.resolve_config("tiny-cpu", values)
+
+
+def finished(run_dir: Path, steps: int) -> bool:
+    path = run_dir / "metrics.csv"
+    return path.is_file() and (run_dir / "policy").is_dir() and pd.read_csv(path)["step"].max() >= steps
+
+
+def start_rates(policy: Path, tasks: int) -> pd.Series:
+    """The start's success rate on each of the first ``tasks`` test tasks, as the sink-attention runs play
+    it: the rows cached in its ``test_rewards.csv`` (``sinkflex_core.start.measure``), the most tries."""
+    from sinkflex_core import start
+    from sinkflex_core.train.evaluate import attention_label
+
+    table = pd.read_csv(policy / "test_rewards.csv", dtype={"policy_digest": str})
+    rows = table[table["attention"] == attention_label(start.sink_settings(policy))]
+    rows = rows[rows["tries"] == rows["tries"].max()].set_index("task").sort_index()
+    if len(rows) < tasks:
+        raise RuntimeError(f"{policy / 'test_rewards.csv'} holds {len(rows)} tasks with sink attention, not {tasks}: "
+                           f"run python -m sinkflex_core.start --measure first")
+    return (rows["successes"] / rows["tries"]).iloc[:tasks]
+
+
+def measure(run_dir: Path, tasks: int, samples: int) -> pd.DataFrame:
+    """The run's final policy on the first ``tasks`` test tasks x ``samples`` (sampling seed 0, as the
+    start's measurement), cached in ``RUN_DIR/test_rewards.csv`` while the policy is unchanged."""
+    path = run_dir / "test_rewards.csv"
+    digest = train.policy_digest(run_dir / "policy")
+    if path.is_file():
+        old = pd.read_csv(path, dtype={"policy_digest": str})
+        if old["policy_digest"].eq(digest).all() and len(old) == tasks and (old["tries"] == samples).all():
+            return old
+    table = train.success_table(run_dir / "policy", "test", list(range(tasks)), samples, progress=False)
+    table.to_csv(path, index=False)
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--policy", default=str(data_dir() / "retail-tiny-start"), help="the start policy folder")
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=8, help="GRPO steps of every run")
+    p.add_argument("--test-tasks", type=int, default=120, help="held-out tasks each final policy plays")
+    p.add_argument("--test-samples", type=int, default=2, help="episodes per held-out task")
+    p.add_argument("--out-root", default=str(repo_root() / "runs" / "async_curves"))
+    p.add_argument("--smoke", action="store_true", help="tiny settings; nothing written to data/")
+    p.add_argument("--record-only", action="store_true", help="only rewrite data/ from finished runs")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.steps, args.test_tasks, args.test_samples = min(args.steps, 3), 2, 1
+    policy, out_root = Path(args.policy), Path(args.out_root)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    print(f"# async_curves: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, "
+          f"{len(args.configs)} configs x {len(args.seeds)} seeds x {args.steps} steps", flush=True)
+    runs = [(c, s, out_root / c / f"seed{s}") for c in args.configs for s in args.seeds]
+    if not args.record_only:
+        for config, seed, run_dir in runs:
+            if finished(run_dir, args.steps):
+                print(f"{config} seed {seed}: finished before, reused", flush=True)
+                continue
+            t0, load = time.perf_counter(), os.getloadavg()[0]
+            train.Trainer(run_config(policy, config, seed, run_dir, args.steps, args.smoke)).run()
+            print(f"{config} seed {seed}: {args.steps} steps in {time.perf_counter() - t0:.0f} s "
+                  f"(load average {load:.1f} before)", flush=True)
+        for config, seed, run_dir in runs:
+            t0 = time.perf_counter()
+            measure(run_dir, args.test_tasks, args.test_samples)
+            print(f"{config} seed {seed}: held-out test in {time.perf_counter() - t0:.0f} s", flush=True)
+    return record(policy, runs, args)
+
+
+def record(policy: Path, runs: list, args) -> int:
+    from sinkflex_core.provenance import provenance
+
+    curves, timelines, tests = [], [], []
+    start = None if args.smoke else start_rates(policy, args.test_tasks)
+    for config, seed, run_dir in runs:
+        m = pd.read_csv(run_dir / "metrics.csv")
+        curves.append(m.assign(config=config, seed=seed))
+        timelines.append(train.step_timeline(run_dir).assign(config=config, seed=seed))
+        end = measure(run_dir, args.test_tasks, args.test_samples).set_index("task").sort_index()
+        end_rate = end["successes"] / end["tries"]
+        tests.append(pd.DataFrame({"config": config, "seed": seed, "task": end_rate.index,
+                                   "start_rate": start.loc[end_rate.index].to_numpy() if start is not None else 0.0,
+                                   "end_rate": end_rate.to_numpy(), "end_tries": end["tries"].to_numpy()}))
+    curve = pd.concat(curves, ignore_index=True)
+    timeline = pd.concat(timelines, ignore_index=True)
+    test = pd.concat(tests, ignore_index=True)
+    summary = summarize(curve, test)
+    print(summary.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    if args.smoke:
+        print("smoke run: nothing written to data/")
+        return 0
+    prov = provenance()
+    for table in (curve, timeline, test):
+        for key in ("date", "git_sha", "hardware", "torch", "transformers", "python"):
+            table[key] = prov[key]
+    front = ["config", "seed"]
+    curve = curve[front + [c for c in curve.columns if c not in front]]
+    timeline = timeline[front + [c for c in timeline.columns if c not in front]]
+    curve.to_csv(data_dir() / "async_curves.csv", index=False)
+    timeline.to_csv(data_dir() / "async_timeline.csv", index=False)
+    test.to_csv(data_dir() / "async_curves_test.csv", index=False)
+    print(f"wrote {data_dir() / 'async_curves.csv'}, async_timeline.csv, async_curves_test.csv")
+    return 0
+
+
+def summarize(curve: pd.DataFrame, test: pd.DataFrame) -> pd.DataFrame:
+    """Per config over its seeds: steps, median seconds a step (step 1 left out: the worker's start),
+    learner's wait and update, staleness, training reward of the first and last two steps, and the
+    held-out start, end and gain with a paired bootstrap 95 % interval over tasks."""
+    rows = []
+    for config, g in curve.groupby("config", sort=False):
+        steps = g[g["step"] >= 2]
+        first, last = g["step"][g["step"] >= 1].min(), g["step"].max()
+        per_task = test[test["config"] == config].groupby("task")[["start_rate", "end_rate"]].mean()
+        gain, low, high = train.bootstrap_mean(per_task["end_rate"] - per_task["start_rate"])
+        rows.append({"config": config, "seeds": g["seed"].nunique(), "steps": int(last),
+                     "step_s": (steps["step_s"] - steps["eval_s"].fillna(0)).median(),
+                     "wait_s": steps["rollout_s"].median(), "update_s": steps["update_s"].median(),
+                     "worker_s": steps["rollout_worker_s"].median() if "rollout_worker_s" in steps else float("nan"),
+                     "staleness": steps["staleness_mean"].mean() if "staleness_mean" in steps else float("nan"),
+                     "train_first2": g[g["step"].between(first, first + 1)]["reward_mean"].mean(),
+                     "train_last2": g[g["step"].between(last - 1, last)]["reward_mean"].mean(),
+                     "test_start": per_task["start_rate"].mean(), "test_end": per_task["end_rate"].mean(),
+                     "gain": gain, "low": low, "high": high})
+    return pd.DataFrame(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
