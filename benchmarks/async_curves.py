@@ -35,6 +35,9 @@ import pandas as pd
 from sinkflex_core import train
 from sinkflex_core.paths import data_dir, repo_root
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reproduce_curve import measure_run, start_test_rows  # noqa: E402  (test tables of the final policy and the start)
+
 CONFIGS = {
     "sync": dict(async_rollouts=False, threads=2),
     "async-k1": dict(async_rollouts=True, max_staleness=1, threads=1, old_logprobs="recompute", tis_cap=2.0),
@@ -60,32 +63,10 @@ def finished(run_dir: Path, steps: int) -> bool:
 
 
 def start_rates(policy: Path, tasks: int) -> pd.Series:
-    """The start's success rate on each of the first ``tasks`` test tasks, as the sink-attention runs play
-    it: the rows cached in its ``test_rewards.csv`` (``sinkflex_core.start.measure``), the most tries."""
-    from sinkflex_core import start
-    from sinkflex_core.train.evaluate import attention_label
-
-    table = pd.read_csv(policy / "test_rewards.csv", dtype={"policy_digest": str})
-    rows = table[table["attention"] == attention_label(start.sink_settings(policy))]
-    rows = rows[rows["tries"] == rows["tries"].max()].set_index("task").sort_index()
-    if len(rows) < tasks:
-        raise RuntimeError(f"{policy / 'test_rewards.csv'} holds {len(rows)} tasks with sink attention, not {tasks}: "
-                           f"run python -m sinkflex_core.start --measure first")
+    """The start's success rate on each of the first ``tasks`` test tasks as the sink-attention runs play
+    it, from the 120 tasks x 8 episodes cached in its ``test_rewards.csv`` (measured there first if not)."""
+    rows = start_test_rows(policy, "sinkflex", 8, 120).set_index("task").sort_index()
     return (rows["successes"] / rows["tries"]).iloc[:tasks]
-
-
-def measure(run_dir: Path, tasks: int, samples: int) -> pd.DataFrame:
-    """The run's final policy on the first ``tasks`` test tasks x ``samples`` (sampling seed 0, as the
-    start's measurement), cached in ``RUN_DIR/test_rewards.csv`` while the policy is unchanged."""
-    path = run_dir / "test_rewards.csv"
-    digest = train.policy_digest(run_dir / "policy")
-    if path.is_file():
-        old = pd.read_csv(path, dtype={"policy_digest": str})
-        if old["policy_digest"].eq(digest).all() and len(old) == tasks and (old["tries"] == samples).all():
-            return old
-    table = train.success_table(run_dir / "policy", "test", list(range(tasks)), samples, progress=False)
-    table.to_csv(path, index=False)
-    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default=str(data_dir() / "retail-tiny-start"), help="the start policy folder")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--steps", type=int, default=8, help="GRPO steps of every run")
+    p.add_argument("--steps", type=int, default=16, help="GRPO steps of every run")
     p.add_argument("--test-tasks", type=int, default=120, help="held-out tasks each final policy plays")
     p.add_argument("--test-samples", type=int, default=2, help="episodes per held-out task")
     p.add_argument("--out-root", default=str(repo_root() / "runs" / "async_curves"))
@@ -118,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"(load average {load:.1f} before)", flush=True)
         for config, seed, run_dir in runs:
             t0 = time.perf_counter()
-            measure(run_dir, args.test_tasks, args.test_samples)
+            measure_run(run_dir, args.test_samples, args.test_tasks)
             print(f"{config} seed {seed}: held-out test in {time.perf_counter() - t0:.0f} s", flush=True)
     return record(policy, runs, args)
 
@@ -132,7 +113,7 @@ def record(policy: Path, runs: list, args) -> int:
         m = pd.read_csv(run_dir / "metrics.csv")
         curves.append(m.assign(config=config, seed=seed))
         timelines.append(train.step_timeline(run_dir).assign(config=config, seed=seed))
-        end = measure(run_dir, args.test_tasks, args.test_samples).set_index("task").sort_index()
+        end = pd.read_csv(measure_run(run_dir, args.test_samples, args.test_tasks)).set_index("task").sort_index()
         end_rate = end["successes"] / end["tries"]
         tests.append(pd.DataFrame({"config": config, "seed": seed, "task": end_rate.index,
                                    "start_rate": start.loc[end_rate.index].to_numpy() if start is not None else 0.0,
@@ -140,7 +121,7 @@ def record(policy: Path, runs: list, args) -> int:
     curve = pd.concat(curves, ignore_index=True)
     timeline = pd.concat(timelines, ignore_index=True)
     test = pd.concat(tests, ignore_index=True)
-    summary = summarize(curve, test)
+    summary = train.async_summary(curve, test)
     print(summary.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     if args.smoke:
         print("smoke run: nothing written to data/")
@@ -157,28 +138,6 @@ def record(policy: Path, runs: list, args) -> int:
     test.to_csv(data_dir() / "async_curves_test.csv", index=False)
     print(f"wrote {data_dir() / 'async_curves.csv'}, async_timeline.csv, async_curves_test.csv")
     return 0
-
-
-def summarize(curve: pd.DataFrame, test: pd.DataFrame) -> pd.DataFrame:
-    """Per config over its seeds: steps, median seconds a step (step 1 left out: the worker's start),
-    learner's wait and update, staleness, training reward of the first and last two steps, and the
-    held-out start, end and gain with a paired bootstrap 95 % interval over tasks."""
-    rows = []
-    for config, g in curve.groupby("config", sort=False):
-        steps = g[g["step"] >= 2]
-        first, last = g["step"][g["step"] >= 1].min(), g["step"].max()
-        per_task = test[test["config"] == config].groupby("task")[["start_rate", "end_rate"]].mean()
-        gain, low, high = train.bootstrap_mean(per_task["end_rate"] - per_task["start_rate"])
-        rows.append({"config": config, "seeds": g["seed"].nunique(), "steps": int(last),
-                     "step_s": (steps["step_s"] - steps["eval_s"].fillna(0)).median(),
-                     "wait_s": steps["rollout_s"].median(), "update_s": steps["update_s"].median(),
-                     "worker_s": steps["rollout_worker_s"].median() if "rollout_worker_s" in steps else float("nan"),
-                     "staleness": steps["staleness_mean"].mean() if "staleness_mean" in steps else float("nan"),
-                     "train_first2": g[g["step"].between(first, first + 1)]["reward_mean"].mean(),
-                     "train_last2": g[g["step"].between(last - 1, last)]["reward_mean"].mean(),
-                     "test_start": per_task["start_rate"].mean(), "test_end": per_task["end_rate"].mean(),
-                     "gain": gain, "low": low, "high": high})
-    return pd.DataFrame(rows)
 
 
 if __name__ == "__main__":

@@ -196,6 +196,34 @@ fig.savefig(figures_dir() / "reward_curve.png", dpi=120)
 plt.show()
 
 # %% [markdown]
+# ## Rollouts that overlap the update
+#
+# In the run above every step waits for its own rollouts, and the sampler waits for the update. With `async_rollouts=True` (`sinkflex train --async-rollouts --max-staleness K`) a worker process samples the next steps' groups with the weights it last received while the learner updates on the current one; a group may be at most `K` updates old when it is trained (older ones are dropped and sampled again), and the importance ratio against the sampler's own log-probs, truncated at `tis_cap`, corrects for the gap (`docs/async_rollouts.md`). A step then costs about the longer of rollout and update instead of their sum, when the two really run side by side.
+#
+# `benchmarks/async_curves.py` recorded both from the shipped start: 3 seeds each of the synchronous trainer (2 threads: both cores) and of the asynchronous one with `K = 1` and `K = 2` (learner and worker one core each, `old_logprobs=recompute`, `tis_cap=2`), 16 steps a run, one run at a time, then every final policy on the first 120 test tasks, 2 episodes each, paired with the start's rate on the same tasks. `train.step_timeline` reads from a run folder when each step's rollouts (or the learner's wait for them) and update ran, and when the worker sampled (`metrics.csv` column `step_start_s`, `rollout_groups.jsonl` entry `worker_spans`); `train.plot_timeline` draws them.
+#
+# RESULTS
+
+# %%
+# NBVAL_CHECK_OUTPUT
+async_path, async_test_path = data_dir() / "async_curves.csv", data_dir() / "async_curves_test.csv"
+if not async_path.is_file():
+    print("no recording yet: run `python benchmarks/async_curves.py`")
+else:
+    async_curve = pd.read_csv(async_path)
+    async_test = pd.read_csv(async_test_path) if async_test_path.is_file() else None
+    print(train.async_summary(async_curve, async_test).round(3).to_string(index=False))
+    prov = async_curve.iloc[0]
+    print(f"\nrecorded on {prov['hardware']}, torch {prov['torch']}, commit {prov['git_sha']}")
+
+# %%
+if async_path.is_file():
+    fig = train.async_timeline_figure(pd.read_csv(data_dir() / "async_timeline.csv"), seed=0, steps=(2, 6))
+    plt.show()
+    fig = train.async_figure(async_curve, async_test)
+    plt.show()
+
+# %% [markdown]
 # ## Exercises
 #
 # None of these needs a training run: each changes one setting on what the recorded runs left in `data/`.

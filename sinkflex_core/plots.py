@@ -181,6 +181,59 @@ def plot_timeline(timelines: dict, steps: tuple[int, int] = (2, 6), axes=None):
     return axes
 
 
+def async_timeline_figure(timeline, seed: int | None = None, steps: tuple[int, int] = (2, 6)):
+    """The figure ``figures/async_timeline.png``: :func:`plot_timeline` of one seed (default: the first) of
+    every config of a sync/async recording's ``data/async_timeline.csv``."""
+    seed = int(timeline["seed"].min()) if seed is None else seed
+    runs = timeline[timeline["seed"] == seed]
+    axes = plot_timeline({config: g for config, g in runs.groupby("config", sort=False)}, steps=steps)
+    fig = axes[0].figure
+    fig.suptitle(f"What the learner and the rollout worker do, steps {steps[0]}-{steps[1]} of seed {seed}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+ASYNC_COLORS = {"sync": "tab:blue", "async-k1": "tab:orange", "async-k2": "tab:green"}
+
+
+def async_figure(curve, test=None):
+    """The figure ``figures/async_curves.png`` of ``benchmarks/async_curves.py``'s recording: the training
+    reward per step of every run by config (``data/async_curves.csv``) and, with ``test``
+    (``data/async_curves_test.csv``), the held-out success rate of the start and of each config's final
+    policies, means over tasks (each task's rate averaged over the seeds) with 95 % bootstrap intervals."""
+    import matplotlib.pyplot as plt
+
+    from .train.evaluate import bootstrap_mean
+
+    fig, (ax, ax1) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [1.4, 1]})
+    for config, g in curve.groupby("config", sort=False):
+        plot_training_reward(g, ax=ax, label=f"{config}:", color=ASYNC_COLORS.get(config))
+    ax.set_title("training reward per step (data/async_curves.csv)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    if test is not None:
+        configs = list(dict.fromkeys(test["config"]))
+        start = test.groupby("task")["start_rate"].first()
+        m, lo, hi = bootstrap_mean(start)
+        ax1.errorbar([0], [m], yerr=[[m - lo], [hi - m]], fmt="o", color="black", capsize=4, label="start")
+        for i, config in enumerate(configs):
+            per_task = test[test["config"] == config].groupby("task")[["start_rate", "end_rate"]].mean()
+            m, lo, hi = bootstrap_mean(per_task["end_rate"])
+            gain, glo, ghi = bootstrap_mean(per_task["end_rate"] - per_task["start_rate"])
+            ax1.errorbar([i + 1], [m], yerr=[[m - lo], [hi - m]], fmt="o", capsize=4,
+                         color=ASYNC_COLORS.get(config), label=f"{config}: gain {gain:+.3f} [{glo:+.3f}, {ghi:+.3f}]")
+        ax1.set_xticks(range(len(configs) + 1), ["start", *configs])
+        ax1.set_xlim(-0.5, len(configs) + 0.5)
+        ax1.set_ylabel("held-out success rate")
+        tries = int(test["end_tries"].iloc[0]) if "end_tries" in test else "?"
+        ax1.set_title(f"held-out test, {test['task'].nunique()} tasks x {tries} per seed", fontsize=10)
+        ax1.legend(fontsize=7, loc="upper left")
+        ax1.grid(alpha=0.3)
+    fig.suptitle("Synchronous against asynchronous rollouts from the shipped start, tiny-cpu preset, 2 CPU cores",
+                 fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
 # --------------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------------
@@ -345,6 +398,23 @@ def regenerate_figures(data: Path | None = None, figures: Path | None = None):
                      "regenerated"))
     else:
         done.append(("reward_curve.png", "reward_curve.csv", "skipped: not in data/ yet (benchmarks/reproduce_curve.py)"))
+
+    curve, test, timeline = (data / f for f in ("async_curves.csv", "async_curves_test.csv", "async_timeline.csv"))
+    if curve.exists():
+        fig = async_figure(pd.read_csv(curve), pd.read_csv(test) if test.exists() else None)
+        fig.savefig(figures / "async_curves.png", dpi=120)
+        plt.close(fig)
+        done.append(("async_curves.png", "async_curves.csv" + (", async_curves_test.csv" if test.exists() else ""),
+                     "regenerated"))
+    else:
+        done.append(("async_curves.png", "async_curves.csv", "skipped: not in data/ yet (benchmarks/async_curves.py)"))
+    if timeline.exists():
+        fig = async_timeline_figure(pd.read_csv(timeline))
+        fig.savefig(figures / "async_timeline.png", dpi=120)
+        plt.close(fig)
+        done.append(("async_timeline.png", "async_timeline.csv", "regenerated"))
+    else:
+        done.append(("async_timeline.png", "async_timeline.csv", "skipped: not in data/ yet (benchmarks/async_curves.py)"))
 
     baselines = data / "01_env_baselines.csv"
     if baselines.exists():

@@ -83,6 +83,22 @@ def test_no_overlap_through_the_worker_is_the_synchronous_run(tokenizer_dir, tmp
     assert [g["tasks"] for g in groups] == _tasks_in_order(sync.cfg, 2)
     assert [g["versions"] for g in groups] == [[0], [1]] and [g["trained_at"] for g in groups] == [0, 1]
 
+    # The timelines (train.step_timeline). Synchronous: rollout then update, step after step, no worker.
+    tl = train.step_timeline(tmp_path / "sync")
+    steps = tl[tl["activity"] != "evaluation"]
+    assert set(tl["lane"]) == {"learner"} and steps["activity"].tolist() == ["rollout", "update"] * 2
+    assert (steps["start"].diff().iloc[1:] > 0).all() and (steps["start"].iloc[1:].to_numpy()
+                                                           >= steps["end"].iloc[:-1].to_numpy() - 1e-6).all()
+    # k = 0 through the worker: step s is sampled after update s - 1 (whose weights it needs) and before
+    # update s (which trains on it); the worker's spans are put on the learner's clock, so both checks
+    # read one clock (50 ms for reading it in two processes).
+    tl = train.step_timeline(tmp_path / "k0")
+    work = tl[tl["lane"] == "worker"].set_index("step")
+    update = tl[(tl["lane"] == "learner") & (tl["activity"] == "update")].set_index("step")
+    assert work.index.tolist() == [1, 2] and (work["end"] > work["start"]).all()
+    assert (work["end"] <= update.loc[[1, 2], "start"] + 0.05).all()
+    assert work.loc[2, "start"] >= update.loc[1, "end"] - 0.05
+
 
 @pytest.mark.slow
 def test_groups_older_than_k_are_dropped_and_resampled(tokenizer_dir, tmp_path):

@@ -265,3 +265,27 @@ def test_reward_figure_is_regenerated_from_the_recorded_curves(tmp_path):
     made = bench.regenerate_figures(tmp_path, tmp_path / "fig").set_index("figure")
     assert made.loc["reward_curve.png", "made_from"] == "reward_curve.csv, reward_curve_test.csv"
     assert (tmp_path / "fig" / "reward_curve.png").stat().st_size > 10_000
+
+
+def test_async_figures_are_regenerated_from_the_recording(tmp_path):
+    import pandas as pd
+
+    made = bench.regenerate_figures(tmp_path, tmp_path / "fig").set_index("figure")
+    assert made.loc["async_curves.png", "status"].startswith("skipped")
+    assert made.loc["async_timeline.png", "status"].startswith("skipped")
+    configs = ["sync"] * 3 + ["async-k1"] * 3
+    pd.DataFrame({"config": configs, "seed": 0, "step": [0, 1, 2] * 2,
+                  "reward_mean": [None, 0.1, 0.3, None, 0.2, 0.2]}).to_csv(tmp_path / "async_curves.csv", index=False)
+    pd.DataFrame({"config": ["sync", "sync", "async-k1", "async-k1"], "seed": 0, "task": [0, 1] * 2,
+                  "start_rate": [0, 0.25, 0, 0.25], "end_rate": [0.5, 0.25, 0, 0.5], "end_tries": 2}).to_csv(
+        tmp_path / "async_curves_test.csv", index=False)
+    rows = [("sync", "learner", "rollout", 2, 0.0, 3.0), ("sync", "learner", "update", 2, 3.0, 5.0),
+            ("async-k1", "learner", "wait", 2, 0.0, 0.1), ("async-k1", "learner", "update", 2, 0.1, 2.5),
+            ("async-k1", "worker", "rollout", 3, 0.0, 3.2)]
+    pd.DataFrame(rows, columns=["config", "lane", "activity", "step", "start", "end"]).assign(seed=0).to_csv(
+        tmp_path / "async_timeline.csv", index=False)
+    made = bench.regenerate_figures(tmp_path, tmp_path / "fig").set_index("figure")
+    assert made.loc["async_curves.png", "made_from"] == "async_curves.csv, async_curves_test.csv"
+    assert made.loc["async_timeline.png", "status"] == "regenerated"
+    for name in ("async_curves.png", "async_timeline.png"):
+        assert (tmp_path / "fig" / name).stat().st_size > 10_000

@@ -19,6 +19,8 @@ The modules, in the order a step uses them:
 from ..plots import (
     PAPER_REWARD_END,
     PAPER_REWARD_START,
+    async_figure,
+    async_timeline_figure,
     plot_reward_curves,
     plot_test_gains,
     plot_timeline,
@@ -58,6 +60,7 @@ from .data import TaskSampler, concat_rollouts, count_tasks, derive_seed, positi
 from .distributed import Dist, init_distributed, shard_model
 from .evaluate import (
     CURVE_COLUMNS,
+    async_summary,
     bootstrap_mean,
     curve_table,
     evaluations,
@@ -84,7 +87,7 @@ __all__ = [
     "PAPER_REWARD_START", "PRESETS", "TIMING_COLUMNS", "TINY_CPU", "ConfigError", "Dist", "MetricsLog",
     "TaskSampler", "TokenLogprobs", "TrainConfig", "Trainer", "add_config_arguments", "build_arg_parser",
     "causal_lm", "cli_value", "concat_rollouts", "config_from_argv", "count_tasks", "curve_table", "derive_seed",
-    "bootstrap_mean", "evaluations", "gain_difference", "paired_gains", "expert_calibration_ids", "file_digest",
+    "async_figure", "async_summary", "async_timeline_figure", "bootstrap_mean", "evaluations", "gain_difference", "paired_gains", "expert_calibration_ids", "file_digest",
     "frozen_logprobs", "grpo_update", "init_distributed", "is_optional",
     "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_model", "load_tokenizer", "loss_config",
     "lr_lambda", "main", "micro_batches", "option", "parse_field", "parse_value", "per_task_rewards",

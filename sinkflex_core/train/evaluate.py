@@ -333,3 +333,33 @@ def gain_difference(test, a: str, b: str, draws: int = 4000, seed: int = 0) -> d
     common = ga.index.intersection(gb.index)
     difference, low, high = bootstrap_mean(ga.loc[common] - gb.loc[common], draws, seed)
     return {"difference": difference, "low": low, "high": high, "tasks": int(len(common))}
+
+
+def async_summary(curve, test=None) -> Any:
+    """One row per config of a sync/async recording (``benchmarks/async_curves.py``: ``data/async_curves.csv``
+    and, if given, ``data/async_curves_test.csv``), over its seeds: steps; median seconds a step without
+    evaluations (step 1 left out: it includes the worker's start), the learner's wait for (or time in)
+    rollouts, its update and the worker's rollout time; mean staleness; the training reward of the first
+    and the last two steps; and the held-out success rate of the start and the final policies with the
+    gain and its paired bootstrap 95 % interval over tasks (each task's gain averaged over the seeds)."""
+    import pandas as pd
+
+    rows = []
+    for config, g in curve.groupby("config", sort=False):
+        steps = g[g["step"] >= 2]
+        first, last = g["step"][g["step"] >= 1].min(), g["step"].max()
+        nan = float("nan")
+        gain = low = high = start = end = nan
+        if test is not None:
+            per_task = test[test["config"] == config].groupby("task")[["start_rate", "end_rate"]].mean()
+            gain, low, high = bootstrap_mean(per_task["end_rate"] - per_task["start_rate"])
+            start, end = per_task["start_rate"].mean(), per_task["end_rate"].mean()
+        rows.append({"config": config, "seeds": g["seed"].nunique(), "steps": int(last),
+                     "step_s": (steps["step_s"] - steps["eval_s"].fillna(0)).median(),
+                     "wait_s": steps["rollout_s"].median(), "update_s": steps["update_s"].median(),
+                     "worker_s": steps["rollout_worker_s"].median() if "rollout_worker_s" in steps else nan,
+                     "staleness": steps["staleness_mean"].mean() if "staleness_mean" in steps else nan,
+                     "train_first2": g[g["step"].between(first, first + 1)]["reward_mean"].mean(),
+                     "train_last2": g[g["step"].between(last - 1, last)]["reward_mean"].mean(),
+                     "test_start": start, "test_end": end, "gain": gain, "low": low, "high": high})
+    return pd.DataFrame(rows)
