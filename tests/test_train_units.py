@@ -408,13 +408,14 @@ def test_async_summary_times_steps_without_the_first_and_pairs_the_test_by_task(
         "config": ["sync"] * 4 + ["async-k1"] * 4, "seed": 0, "step": [0, 1, 2, 3] * 2,
         "reward_mean": [nan, 0.1, 0.2, 0.4, nan, 0.0, 0.1, 0.1],
         # step 1 (the worker's start) and evaluation time are not step time
-        "step_s": [nan, 99.0, 10.0, 14.0, nan, 99.0, 6.0, 8.0], "eval_s": [1.0, nan, nan, 2.0, 1.0, nan, nan, 2.0],
+        "step_s": [nan, 99.0, 10.0, 14.0, nan, 99.0, 6.0, 9.0], "eval_s": [1.0, nan, nan, 2.0, 1.0, nan, nan, 2.0],
         "rollout_s": [nan, 90.0, 6.0, 6.0, nan, 90.0, 0.5, 0.5], "update_s": [nan, 9.0, 4.0, 6.0, nan, 9.0, 5.5, 5.5],
         "rollout_worker_s": [nan] * 4 + [nan, 9.0, 7.0, 7.0], "staleness_mean": [nan] * 4 + [nan, 1.0, 1.0, 0.5]})
     test = pd.DataFrame({"config": ["sync"] * 2 + ["async-k1"] * 2, "seed": 0, "task": [0, 1] * 2,
                          "start_rate": [0.0, 0.5] * 2, "end_rate": [0.5, 0.5, 0.0, 0.0]})
     s = train.async_summary(curve, test).set_index("config")
-    assert s.loc["sync", "step_s"] == 11.0 and s.loc["async-k1", "step_s"] == 6.0
+    assert s.loc["sync", "step_s"] == 11.0 and s.loc["async-k1", "step_s"] == 6.5  # 14 - 2 s of evaluation
+    assert s.loc["sync", "step_s_mean"] == 11.0 and s.loc["async-k1", "step_s_mean"] == 6.5
     assert s.loc["async-k1", "wait_s"] == 0.5 and s.loc["async-k1", "worker_s"] == 7.0
     assert s.loc["async-k1", "staleness"] == 0.75 and s.loc["sync", "steps"] == 3
     assert abs(s.loc["sync", "train_first2"] - 0.15) < 1e-12 and abs(s.loc["sync", "train_last2"] - 0.3) < 1e-12

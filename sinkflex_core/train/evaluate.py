@@ -337,8 +337,8 @@ def gain_difference(test, a: str, b: str, draws: int = 4000, seed: int = 0) -> d
 
 def async_summary(curve, test=None) -> Any:
     """One row per config of a sync/async recording (``benchmarks/async_curves.py``: ``data/async_curves.csv``
-    and, if given, ``data/async_curves_test.csv``), over its seeds: steps; median seconds a step without
-    evaluations (step 1 left out: it includes the worker's start), the learner's wait for (or time in)
+    and, if given, ``data/async_curves_test.csv``), over its seeds: steps; median and mean seconds a step
+    without evaluations (step 1 left out: it includes the worker's start), the learner's wait for (or time in)
     rollouts, its update and the worker's rollout time; mean staleness; the training reward of the first
     and the last two steps; and the held-out success rate of the start and the final policies with the
     gain and its paired bootstrap 95 % interval over tasks (each task's gain averaged over the seeds)."""
@@ -354,8 +354,9 @@ def async_summary(curve, test=None) -> Any:
             per_task = test[test["config"] == config].groupby("task")[["start_rate", "end_rate"]].mean()
             gain, low, high = bootstrap_mean(per_task["end_rate"] - per_task["start_rate"])
             start, end = per_task["start_rate"].mean(), per_task["end_rate"].mean()
+        step_s = steps["step_s"] - steps["eval_s"].fillna(0)
         rows.append({"config": config, "seeds": g["seed"].nunique(), "steps": int(last),
-                     "step_s": (steps["step_s"] - steps["eval_s"].fillna(0)).median(),
+                     "step_s": step_s.median(), "step_s_mean": step_s.mean(),
                      "wait_s": steps["rollout_s"].median(), "update_s": steps["update_s"].median(),
                      "worker_s": steps["rollout_worker_s"].median() if "rollout_worker_s" in steps else nan,
                      "staleness": steps["staleness_mean"].mean() if "staleness_mean" in steps else nan,
