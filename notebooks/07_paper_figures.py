@@ -1,7 +1,7 @@
 # %% [markdown]
 # # 07 · Paper figures: every figure remade from data/, and the paper's claims beside ours
 #
-# Regenerates every figure in `figures/` that is drawn from the CSV files in `data/` (peak memory against trajectory length, the CPU step memory, attention timings, the reward curve), skipping with a message those whose data is not there yet, and prints the side-by-side table: the paper's claim, our measurement, the hardware of each, and the gap.
+# Regenerates every figure in `figures/` that is drawn from the CSV files in `data/` (peak memory against trajectory length, the CPU step memory, attention timings, the reward curve, synchronous against asynchronous rollouts and their timeline), skipping with a message those whose data is not there yet, and prints the side-by-side table: the paper's claim, our measurement, the hardware of each, and the gap.
 #
 # Needs: CPU only, reads `data/` and writes `figures/`. Time: a few seconds (smoke and default mode alike).
 

@@ -177,7 +177,8 @@ def plot_timeline(timelines: dict, steps: tuple[int, int] = (2, 6), axes=None):
         ax.grid(axis="x", alpha=0.3)
     axes[-1].set_xlabel("seconds from the first step shown")
     axes[0].legend(handles=[Patch(color=TIMELINE_COLORS[a], label="wait for rollouts" if a == "wait" else a)
-                            for a in TIMELINE_COLORS if a in seen], fontsize=8, loc="upper right", ncol=4)
+                            for a in TIMELINE_COLORS if a in seen], fontsize=8, loc="lower right", ncol=4,
+                   bbox_to_anchor=(1.0, 1.0), frameon=False, borderaxespad=0.2)
     return axes
 
 
@@ -208,7 +209,11 @@ def async_figure(curve, test=None):
     fig, (ax, ax1) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [1.4, 1]})
     for config, g in curve.groupby("config", sort=False):
         plot_training_reward(g, ax=ax, label=f"{config}:", color=ASYNC_COLORS.get(config))
-    ax.set_title("training reward per step (data/async_curves.csv)", fontsize=10)
+    series = {config: tuple(g.sort_values(["seed", "step"])["reward_mean"].fillna(-1))
+              for config, g in curve.groupby("config", sort=False)}
+    same = [f"{a} = {b}" for i, (a, x) in enumerate(series.items()) for b, y in list(series.items())[i + 1:] if x == y]
+    ax.set_title("training reward per step (data/async_curves.csv)" + (f"; identical: {', '.join(same)}" if same else ""),
+                 fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
     if test is not None:
         configs = list(dict.fromkeys(test["config"]))
