@@ -393,33 +393,25 @@ def regenerate_figures(data: Path | None = None, figures: Path | None = None):
     else:
         done.append(("attention_time.png", "data/attention_*.csv", "skipped: not in data/ yet"))
 
-    curve, test = data / "reward_curve.csv", data / "reward_curve_test.csv"
-    if curve.exists():
-        # The same figure as notebook 05's (which may add a run of one's own).
-        fig = reward_figure(pd.read_csv(curve), pd.read_csv(test) if test.exists() else None)
-        fig.savefig(figures / "reward_curve.png", dpi=120)
+    def from_tables(name: str, make, table: str, extra: str | None, recorded_by: str) -> None:
+        """Figure ``name`` = ``make(table, extra table or None)`` from data/ CSVs, or a skip naming the script."""
+        main, more = data / table, data / extra if extra else None
+        if not main.exists():
+            done.append((name, table, f"skipped: not in data/ yet ({recorded_by})"))
+            return
+        has_more = more is not None and more.exists()
+        fig = make(pd.read_csv(main), pd.read_csv(more) if has_more else None)
+        fig.savefig(figures / name, dpi=120)
         plt.close(fig)
-        done.append(("reward_curve.png", "reward_curve.csv" + (", reward_curve_test.csv" if test.exists() else ""),
-                     "regenerated"))
-    else:
-        done.append(("reward_curve.png", "reward_curve.csv", "skipped: not in data/ yet (benchmarks/reproduce_curve.py)"))
+        done.append((name, table + (f", {extra}" if has_more else ""), "regenerated"))
 
-    curve, test, timeline = (data / f for f in ("async_curves.csv", "async_curves_test.csv", "async_timeline.csv"))
-    if curve.exists():
-        fig = async_figure(pd.read_csv(curve), pd.read_csv(test) if test.exists() else None)
-        fig.savefig(figures / "async_curves.png", dpi=120)
-        plt.close(fig)
-        done.append(("async_curves.png", "async_curves.csv" + (", async_curves_test.csv" if test.exists() else ""),
-                     "regenerated"))
-    else:
-        done.append(("async_curves.png", "async_curves.csv", "skipped: not in data/ yet (benchmarks/async_curves.py)"))
-    if timeline.exists():
-        fig = async_timeline_figure(pd.read_csv(timeline))
-        fig.savefig(figures / "async_timeline.png", dpi=120)
-        plt.close(fig)
-        done.append(("async_timeline.png", "async_timeline.csv", "regenerated"))
-    else:
-        done.append(("async_timeline.png", "async_timeline.csv", "skipped: not in data/ yet (benchmarks/async_curves.py)"))
+    # The same figure as notebook 05's (which may add a run of one's own).
+    from_tables("reward_curve.png", reward_figure, "reward_curve.csv", "reward_curve_test.csv",
+                "benchmarks/reproduce_curve.py")
+    from_tables("async_curves.png", async_figure, "async_curves.csv", "async_curves_test.csv",
+                "benchmarks/async_curves.py")
+    from_tables("async_timeline.png", lambda timeline, _: async_timeline_figure(timeline), "async_timeline.csv", None,
+                "benchmarks/async_curves.py")
 
     baselines = data / "01_env_baselines.csv"
     if baselines.exists():
