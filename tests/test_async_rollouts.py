@@ -213,5 +213,6 @@ def test_what_async_rollouts_cannot_run_is_refused(tokenizer_dir, tmp_path):
         _cfg(tokenizer_dir, tmp_path / "t", tis_cap=2.0)
     with pytest.raises(ConfigError, match="max_staleness"):
         _cfg(tokenizer_dir, tmp_path / "m", async_rollouts=True, max_staleness=-1)
-    with pytest.raises(ConfigError, match="HF backend"):
-        _cfg(tokenizer_dir, tmp_path / "v", async_rollouts=True, rollout_backend="vllm")
+    # GPU ids are text as given, never a number: "7" and "0,1" reach CUDA_VISIBLE_DEVICES unchanged
+    cfg, _ = train.config_from_argv(["--async-rollouts", "--set", "rollout_worker_gpus=7", "--out-dir", str(tmp_path)])
+    assert cfg.rollout_worker_gpus == "7"

@@ -84,6 +84,58 @@ def test_one_grpo_step_through_vllm_syncs_the_merged_lora_policy():
     assert r["before_vs_after_step_max_abs"] > 20 * TOLERANCE, r
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_async_rollout_worker_samples_with_vllm_and_gets_every_update():
+    _need_vllm()
+    r = _run_script("async")
+    assert r["worker_backends"] == ["VLLMBackend"] * 3, r
+    # k = 0 through the worker: each step sampled with the weights of the update just made, in vLLM. The
+    # learner's recomputed log-probs of the sampled tokens equal the engine's only if every update
+    # reached the engine: the steps after an update are the check.
+    assert r["versions"] == [[0], [1], [2]], r
+    assert max(r["gap"][1:]) < TOLERANCE, r
+    assert r["moved"] > 20 * TOLERANCE, r  # the updates changed what the policy computes
+    assert not r["worker_alive"], r
+
+
+def _async_main() -> None:
+    import tempfile
+    from pathlib import Path
+
+    import pandas as pd
+
+    from sinkflex_core.models import get_tokenizer
+    from sinkflex_core.train import TrainConfig, Trainer
+
+    work = tempfile.mkdtemp(prefix="sinkflex-vllm-async-")
+    get_tokenizer().save_pretrained(work + "/tokenizer")
+    # rewards are 0 for a random policy: the entropy bonus gives every update a gradient (lr large enough
+    # that a missed update would show far above the tolerance)
+    cfg = TrainConfig.from_dict(dict(
+        tokenizer=work + "/tokenizer", out_dir=work + "/run", hidden_size=64, num_layers=2, lr=0.02,
+        rollout_backend="vllm", vllm_gpu_memory_utilization=0.3, async_rollouts=True, max_staleness=0,
+        old_logprobs="recompute", tasks_per_step=2, group_size=2, num_minibatches=1, ppo_epochs=1,
+        micro_batch_size=4, steps=3, max_total_tokens=320, max_new_tokens_per_turn=12, max_turns=3,
+        system_prompt="x", include_tools=False, kl_coef=0.0, entropy_coef=0.05, threads=1, progress=False,
+        tensorboard=False, eval_tasks=1, save_every=0))
+    trainer = Trainer(cfg)
+    first = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    trainer.run()
+    metrics = pd.read_csv(Path(cfg.out_dir) / "metrics.csv")
+    groups = [json.loads(line) for line in (Path(cfg.out_dir) / "rollout_groups.jsonl").read_text().splitlines()]
+    moved = max(float((p.detach() - first[n]).abs().max()) for n, p in trainer.policy.named_parameters())
+    pid = groups[-1]["worker_pid"]
+    try:
+        os.kill(pid, 0)
+        alive = Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except ProcessLookupError:
+        alive = False
+    result = {"worker_backends": [g.get("worker_backend") for g in groups], "versions": [g["versions"] for g in groups],
+              "gap": metrics["logp_gap_rollout"].iloc[1:].tolist(), "moved": moved, "worker_alive": alive}
+    print("RESULT " + json.dumps(result), flush=True)
+
+
 def _hf_logprobs(model, batch):
     import torch
 
@@ -206,4 +258,4 @@ def _grpo_main() -> None:
 
 
 if __name__ == "__main__":
-    {"backend": _main, "grpo": _grpo_main}[sys.argv[1] if len(sys.argv) > 1 else "backend"]()
+    {"backend": _main, "grpo": _grpo_main, "async": _async_main}[sys.argv[1] if len(sys.argv) > 1 else "backend"]()

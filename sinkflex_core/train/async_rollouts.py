@@ -5,7 +5,8 @@ The learner (:class:`sinkflex_core.train.Trainer`) and the worker talk through t
 
     learner --requests--> worker    ("rollout", step, tasks, min_version, calls): play these tasks
     learner --weights---> worker    ("weights", version, state): the policy after `version` updates
-    worker  --results---> learner   ("batch", step, version, offset, batches, seconds, started) or ("error", text)
+    worker  --results---> learner   ("batch", step, version, offset, batches, seconds, started, backend)
+                                    or ("error", text)
 
 (``started``: the wall-clock time, ``time.time()``, at which the worker began the call: the learner
 puts it on its own clock for the timeline that ``rollout_groups.jsonl`` records.)
@@ -24,9 +25,10 @@ puts it on its own clock for the timeline that ``rollout_groups.jsonl`` records.
   schedule run through the worker: the same samples as the single-process trainer.
 - **Weights**: after every update the learner sends the trainable parameters (full fine-tuning) or the
   LoRA adapters merged into the base weights (the worker holds a plain model), cloned, so the worker never
-  sees a half-updated tensor. On GPUs the same worker would hold a vLLM engine (``update_weights`` with
-  the merged model, as :class:`sinkflex_core.rollout.VLLMBackend` does in the synchronous trainer);
-  here it runs :class:`sinkflex_core.rollout.HFBackend` on CPU.
+  sees a half-updated tensor. With ``rollout_backend="vllm"`` the worker samples with a vLLM engine and
+  loads each version into it in place (:meth:`sinkflex_core.rollout.VLLMBackend.update_weights`, as
+  the synchronous trainer does); ``rollout_worker_gpus`` puts it on GPUs of its own. Otherwise it
+  runs :class:`sinkflex_core.rollout.HFBackend` on the CPU.
 - **Sampling seeds** are the synchronous trainer's (a function of the run seed and the step), so what a
   group samples depends only on its tasks, its step and the weights it was sampled with.
 
@@ -54,7 +56,7 @@ The price is that the step's groups (token ids, masks and log-probs, small besid
 through rank 0 on their way to the other ranks.
 
 Each trained step appends one line to ``out_dir/rollout_groups.jsonl`` (step, tasks, versions,
-staleness, dropped groups, groups per rank, and ``worker_spans``: when each of the step's rollout calls
+staleness, dropped groups, groups per rank, the worker's backend (``HFBackend`` or ``VLLMBackend``), and ``worker_spans``: when each of the step's rollout calls
 ran in the worker, as ``[start, end]`` on the learner's ``elapsed_s`` clock); a resumed run cuts it back to the checkpoint's step, like
 ``metrics.csv``.
 """
@@ -79,23 +81,35 @@ _WAIT_S = 1800.0  # most seconds the learner waits for one result (a stuck worke
 
 
 def rollout_worker(cfg_dict: dict, parent_pid: int, requests, weights, results) -> None:
-    """The worker process: a plain copy of the policy with :class:`HFBackend`, serving ``requests``.
+    """The worker process: a plain copy of the policy, sampled with :class:`HFBackend` or, with
+    ``rollout_backend="vllm"``, with a :class:`VLLMBackend` engine that every weight update reaches
+    in place; serves ``requests``.
 
     Exits on ``("stop",)``, or by itself within a second or so of its learner dying (a SIGKILLed
     learner cannot tell it)."""
+    backend = None
     try:
+        cfg = TrainConfig.from_dict(cfg_dict)
+        if cfg.rollout_worker_gpus:  # before anything initialises CUDA in this process
+            os.environ["CUDA_VISIBLE_DEVICES"] = cfg.rollout_worker_gpus
         from .. import rollout
         from .data import derive_seed
-        from .policy import load_model, load_tokenizer
+        from .policy import causal_lm, load_model, load_tokenizer
 
-        cfg = TrainConfig.from_dict(cfg_dict)
         torch.set_num_threads(cfg.threads or 1)
         tokenizer = load_tokenizer(cfg)
         # LoRA runs send merged weights: the worker's model has no adapters.
         model = load_model(dataclasses.replace(cfg, lora=False), tokenizer, torch.device("cpu")).eval()
         for p in model.parameters():
             p.requires_grad_(False)
-        backend = rollout.HFBackend(model, tokenizer)
+        vllm = cfg.rollout_backend == "vllm"
+        if vllm:
+            backend = rollout.VLLMBackend(causal_lm(model), tokenizer,
+                                          gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, dtype=cfg.dtype,
+                                          max_model_len=cfg.max_total_tokens, seed=cfg.seed,
+                                          allow_attention_mismatch=cfg.vllm_full_attention)
+        else:
+            backend = rollout.HFBackend(model, tokenizer)
         params = dict(model.named_parameters())
         version = -1
 
@@ -106,6 +120,8 @@ def rollout_worker(cfg_dict: dict, parent_pid: int, requests, weights, results) 
             with torch.no_grad():
                 for name, value in state.items():
                     params[name].copy_(value)
+            if vllm:  # the engine holds its own copy: the new weights go into it in place
+                backend.update_weights(causal_lm(model))
 
         def newest(min_version: int) -> int:
             """Take the newest weights sent so far, waiting for ``min_version`` if it has not come yet."""
@@ -139,11 +155,16 @@ def rollout_worker(cfg_dict: dict, parent_pid: int, requests, weights, results) 
                 torch.manual_seed(seed)
                 rcfg = rollout_config_of(cfg, seed)
                 batch = rollout.collect_rollouts(backend, tokenizer, cfg.env_id, tasks[i:j], cfg.train_split, rcfg)
-                results.put(("batch", step, version, i, batch, time.perf_counter() - t0, started))
+                results.put(("batch", step, version, i, batch, time.perf_counter() - t0, started,
+                             type(backend).__name__))
     except SystemExit:
         return
     except BaseException:
         results.put(("error", traceback.format_exc()))
+    finally:
+        close = getattr(backend, "close", None)
+        if close is not None:  # vLLM: its engine's processes end with it
+            close()
 
 
 def rollout_config_of(cfg: TrainConfig, seed: int):
@@ -181,6 +202,7 @@ class AsyncRollouts:
         self.version = 0
         self.log_path = Path(self.cfg.out_dir) / "rollout_groups.jsonl"
         self.last: dict = {}
+        self.backend_name: str | None = None
 
     # -- process ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -197,7 +219,10 @@ class AsyncRollouts:
             return
         ctx = mp.get_context("spawn")
         self.requests, self.weights, self.results = ctx.Queue(), ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=rollout_worker, name="sinkflex-rollout-worker", daemon=True,
+        # a daemonic process may not start processes of its own, as vLLM's engine does; the worker
+        # ends with its learner anyway (close(), or its check on the learner's pid)
+        self.proc = ctx.Process(target=rollout_worker, name="sinkflex-rollout-worker",
+                                daemon=self.cfg.rollout_backend != "vllm",
                                 args=(self.cfg.to_dict(), os.getpid(), self.requests, self.weights, self.results))
         self.proc.start()
         self.ahead = copy.deepcopy(tr.sampler)  # draws the tasks of the steps submitted in advance
@@ -275,7 +300,7 @@ class AsyncRollouts:
                     raise RuntimeError(f"no rollouts from the worker in {_WAIT_S:.0f} s") from None
         if msg[0] == "error":
             raise RuntimeError("the rollout worker failed:\n" + msg[1])
-        _, step, version, offset, batch, seconds, started = msg
+        _, step, version, offset, batch, seconds, started, self.backend_name = msg
         # the call's start on the learner's clock (elapsed_s): both processes read the same wall clock
         begin = self.trainer.elapsed() - (time.time() - started)
         self.ready[step]["calls"][offset] = (version, batch, seconds, begin)
@@ -311,6 +336,7 @@ class AsyncRollouts:
         self._log({"step": step, "tasks": tasks, "versions": [c[0] for c in calls], "trained_at": self.version,
                    "groups_dropped": dropped, "worker_pid": self.proc.pid,
                    "worker_spans": [[round(c[3], 3), round(c[3] + c[2], 3)] for c in calls],
+                   "worker_backend": self.backend_name,
                    "rank_groups": [sum(len(b) // self.cfg.group_size for b in bs) for bs in per_rank]})
         return [(tasks, bs, last) for bs in per_rank]
 

@@ -100,6 +100,8 @@ class TrainConfig:
                                          "up to max_staleness updates old")
     max_staleness: int = option(1, "async_rollouts: how many updates old a group may be (k); older ones are "
                                    "dropped and resampled; 0 = no overlap (the synchronous schedule)")
+    rollout_worker_gpus: str = option("", "async_rollouts: CUDA_VISIBLE_DEVICES of the rollout worker (e.g. "
+                                          "\"7\" beside learners on GPUs 0-6); \"\" = the learner's own")
 
     # -- batch and schedule --
     tasks_per_step: int = option(8, "tasks per step (over all processes)")
@@ -235,8 +237,6 @@ class TrainConfig:
         need(self.tis_cap == 0 or self.old_logprobs == "recompute",
              "tis_cap weights the loss by pi_old / pi_sampler, which is 1 when the old log-probs are the "
              "sampler's: set old_logprobs=recompute with it")
-        need(not (self.async_rollouts and self.rollout_backend == "vllm"),
-             "async_rollouts runs its worker with the HF backend only so far: use rollout_backend=hf")
 
     def total_steps(self, num_train_tasks: int) -> int:
         """``steps`` if set, else enough steps for ``epochs`` passes over the training tasks."""
@@ -335,7 +335,7 @@ def rollout_config(cfg: TrainConfig, seed: int, group_size: int | None = None, t
 # --------------------------------------------------------------------------------------------------
 
 # Fields whose text is taken as is: a path or a name may look like a number.
-_VERBATIM = ("out_dir", "model", "tokenizer", "env_id", "layer_sinks")
+_VERBATIM = ("out_dir", "model", "tokenizer", "env_id", "layer_sinks", "rollout_worker_gpus")
 
 
 def is_optional(f: dataclasses.Field) -> bool:

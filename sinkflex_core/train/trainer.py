@@ -137,7 +137,10 @@ class Trainer:
     def _make_backend(self):
         from .. import rollout
 
-        if self.cfg.rollout_backend == "vllm":
+        # With async_rollouts the training rollouts come from the worker (which holds the vLLM engine, if
+        # any); the learner's own backend serves its evaluations only, and a second engine beside the
+        # worker's would take memory for nothing.
+        if self.cfg.rollout_backend == "vllm" and not self.cfg.async_rollouts:
             return rollout.VLLMBackend(self._merged_for_vllm(), self.tokenizer,
                                        gpu_memory_utilization=self.cfg.vllm_gpu_memory_utilization,
                                        dtype=self.cfg.dtype, max_model_len=self.cfg.max_total_tokens,
@@ -157,7 +160,7 @@ class Trainer:
             target = dict(self.rollout_lm.named_parameters())
             for name, p in self.policy.lm.named_parameters():
                 target[name].copy_(full_tensor(p.detach()).to(target[name].dtype))
-        if self.cfg.rollout_backend == "vllm":
+        if hasattr(self.backend, "update_weights"):  # a vLLM engine holds its own copy of the weights
             self.backend.update_weights(self._merged_for_vllm())
 
     def _collect(self, tasks: list[int], split: str, group_size: int, temperature: float,
