@@ -398,7 +398,7 @@ def test_time_budget_stops_after_the_evaluation_that_used_it_up(tokenizer_dir, t
         return {"eval_reward": 0.0}
 
     trainer.step, trainer.evaluate = fake_step, fake_evaluate
-    trainer._elapsed = lambda: clock["t"]
+    trainer.elapsed = lambda: clock["t"]
     trainer.run()
     # step 0 eval -> 100 s; step 1 -> 110 s; step 2 -> 120 s (< 125), its due eval -> 220 s: stop there
     assert evals == [0, 2] and trainer.step_idx == 2
@@ -408,7 +408,7 @@ def test_time_budget_stops_after_the_evaluation_that_used_it_up(tokenizer_dir, t
     clock["t"], evals[:] = 0.0, []
     trainer = trainer2
     trainer2.step, trainer2.evaluate = fake_step, fake_evaluate
-    trainer2._elapsed = lambda: clock["t"]
+    trainer2.elapsed = lambda: clock["t"]
     trainer2.run()
     assert evals == [0, 2, 3] and trainer2.step_idx == 3
     # the first run again, as it was launched: it resumes at step 2 with 220 s used of 125 and stops there
