@@ -56,9 +56,9 @@ The price is that the step's groups (token ids, masks and log-probs, small besid
 through rank 0 on their way to the other ranks.
 
 Each trained step appends one line to ``out_dir/rollout_groups.jsonl`` (step, tasks, versions,
-staleness, dropped groups, groups per rank, the worker's backend (``HFBackend`` or ``VLLMBackend``), and ``worker_spans``: when each of the step's rollout calls
-ran in the worker, as ``[start, end]`` on the learner's ``elapsed_s`` clock); a resumed run cuts it back to the checkpoint's step, like
-``metrics.csv``.
+staleness, dropped groups, groups per rank, the worker's backend, ``HFBackend`` or ``VLLMBackend``, and
+``worker_spans``: when each of the step's rollout calls ran in the worker, as ``[start, end]`` on the
+learner's ``elapsed_s`` clock); a resumed run cuts it back to the checkpoint's step, like ``metrics.csv``.
 """
 
 from __future__ import annotations

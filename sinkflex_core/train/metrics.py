@@ -130,8 +130,6 @@ def _fmt(v) -> str:
     return str(v)
 
 
-
-
 def step_timeline(run_dir: str | os.PathLike):
     """What the learner and the rollout worker of a run did when, from its ``metrics.csv`` (and, for a run
     with ``async_rollouts``, ``rollout_groups.jsonl``): one row per span, with ``lane`` ("learner" or
