@@ -74,7 +74,7 @@ from pathlib import Path
 
 import torch
 
-from .config import TrainConfig
+from .config import TrainConfig, vllm_backend
 
 _POLL_S = 1.0  # how often a waiting worker checks that its learner is still alive
 _WAIT_S = 1800.0  # most seconds the learner waits for one result (a stuck worker ends the run)
@@ -104,10 +104,7 @@ def rollout_worker(cfg_dict: dict, parent_pid: int, requests, weights, results) 
             p.requires_grad_(False)
         vllm = cfg.rollout_backend == "vllm"
         if vllm:
-            backend = rollout.VLLMBackend(causal_lm(model), tokenizer,
-                                          gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, dtype=cfg.dtype,
-                                          max_model_len=cfg.max_total_tokens, seed=cfg.seed,
-                                          allow_attention_mismatch=cfg.vllm_full_attention)
+            backend = vllm_backend(cfg, causal_lm(model), tokenizer)
         else:
             backend = rollout.HFBackend(model, tokenizer)
         params = dict(model.named_parameters())

@@ -330,6 +330,15 @@ def rollout_config(cfg: TrainConfig, seed: int, group_size: int | None = None, t
 
 
 
+def vllm_backend(cfg: TrainConfig, model, tokenizer):
+    """The run's :class:`sinkflex_core.rollout.VLLMBackend` for ``model`` (a plain causal LM), with
+    ``cfg``'s engine settings: the synchronous trainer's and the asynchronous rollout worker's."""
+    from .. import rollout
+
+    return rollout.VLLMBackend(model, tokenizer, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                               dtype=cfg.dtype, max_model_len=cfg.max_total_tokens, seed=cfg.seed,
+                               allow_attention_mismatch=cfg.vllm_full_attention)
+
 # --------------------------------------------------------------------------------------------------
 # Command lines: one reader for every config dataclass (TrainConfig here, SFTConfig in sft.py)
 # --------------------------------------------------------------------------------------------------

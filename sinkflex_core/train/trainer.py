@@ -52,7 +52,7 @@ from .checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from .config import ConfigError, TrainConfig, config_from_argv, rollout_config, torchrun_command
+from .config import ConfigError, TrainConfig, config_from_argv, rollout_config, torchrun_command, vllm_backend
 from .data import TaskSampler, concat_rollouts, count_tasks, derive_seed
 from .distributed import Dist, full_tensor, init_distributed, shard_model
 from .evaluate import per_task_rewards, screened_tasks
@@ -141,11 +141,7 @@ class Trainer:
         # any); the learner's own backend serves its evaluations only, and a second engine beside the
         # worker's would take memory for nothing.
         if self.cfg.rollout_backend == "vllm" and not self.cfg.async_rollouts:
-            return rollout.VLLMBackend(self._merged_for_vllm(), self.tokenizer,
-                                       gpu_memory_utilization=self.cfg.vllm_gpu_memory_utilization,
-                                       dtype=self.cfg.dtype, max_model_len=self.cfg.max_total_tokens,
-                                       seed=self.cfg.seed,
-                                       allow_attention_mismatch=self.cfg.vllm_full_attention)
+            return vllm_backend(self.cfg, self._merged_for_vllm(), self.tokenizer)
         return rollout.HFBackend(self._generation_model(), self.tokenizer)
 
     def _merged_for_vllm(self) -> nn.Module:
