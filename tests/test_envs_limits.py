@@ -5,6 +5,7 @@ and at size caps; answers count only as whole numbers."""
 from __future__ import annotations
 
 import json
+import select
 import socket
 import time
 
@@ -85,7 +86,7 @@ def test_every_answer_of_the_server_is_json():
     env = gym.make("sinkflex/RetailHTTP-v0", split="train")
     try:
         host, port = env.unwrapped.backend.server.server_address[:2]
-        raws = [b"GET /" + b"x" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",  # request line too long: 414
+        raws = [b"GET /" + b"x" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",  # request line too long: 431
                 b"POST /tools/" + "é".encode() * 40_000 + b" HTTP/1.1\r\n\r\n",
                 b"\x16\x03\x01 garbage\r\n\r\n", b"BREW /tools HTTP/1.1\r\n\r\n", b"GET /tools HTTP/9.9\r\n\r\n",
                 b"GET\r\n\r\n", b"GET /tools HTTP/1.1\r\n" + b"X-A: b\r\n" * 200 + b"\r\n"]
@@ -99,6 +100,56 @@ def test_every_answer_of_the_server_is_json():
             status = int(head.split(b" ")[1])
             assert 400 <= status < 500 and b"application/json" in head, (raw[:40], reply[:300])
             assert "error" in json.loads(body), (raw[:40], reply[:300])
+    finally:
+        env.close()
+
+
+def _exchange(host: str, port: int, pieces: list[bytes], pause: float = 0.0, until_answer: bool = False) -> bytes:
+    """Send ``pieces`` one write each (``pause`` seconds apart), then read until the server closes. With
+    ``until_answer``, stop writing once an answer is there: the server has refused the request and
+    closes, and writing on would reset the connection and lose the answer."""
+    with socket.create_connection((host, port), timeout=10) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for piece in pieces:
+            if until_answer and select.select([s], [], [], 0)[0]:
+                break
+            s.sendall(piece)
+            time.sleep(pause)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    return reply
+
+
+def test_the_request_head_is_bounded_however_it_arrives():
+    """A head past MAX_HEAD is answered 431 in JSON, whether the parser sees it whole (a long request
+    line, a long header) or as pieces of one header line that never ends; a head that arrives a few
+    bytes at a time, and several requests on one connection, are served as usual."""
+    from sinkflex_core.envs.http_server import MAX_HEAD
+
+    env = gym.make("sinkflex/RetailHTTP-v0", split="train")
+    try:
+        host, port = env.unwrapped.backend.server.server_address[:2]
+        body = b'{"arguments": {"thought": "x"}}'
+        call = (b"POST /tools/think HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        too_long = [
+            [b"GET /" + b"x" * (MAX_HEAD + 10) + b" HTTP/1.1\r\nHost: x\r\n\r\n"],
+            [b"GET /tools HTTP/1.1\r\nX-Big: " + b"y" * (MAX_HEAD + 10) + b"\r\n\r\n"],
+            [b"GET /tools HTTP/1.1\r\nX-Big: "] + [b"y" * 4096] * (MAX_HEAD // 4096 + 8),  # never ends
+        ]
+        for pieces in too_long:
+            reply = _exchange(host, port, pieces, pause=0.002 if len(pieces) > 1 else 0.0, until_answer=True)
+            head, _, rest = reply.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 431 ") and b"application/json" in head, reply[:200]
+            assert json.loads(rest) == {"error": "request head too large"}
+        # a head just under the bound, one byte at a time, then a second request on the same connection
+        near = call.replace(b"Host: x\r\n", b"Host: x\r\nX-Pad: " + b"p" * (MAX_HEAD - 200) + b"\r\n")
+        slow = [bytes([b]) for b in call] + [near, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"]
+        reply = _exchange(host, port, slow, pause=0.0002)
+        assert reply.count(b"HTTP/1.1 200 OK") == 3, reply[:600]
+        assert reply.endswith(b'{"ok":true}'), reply[-200:]
+        assert [entry[2] for entry in list(env.unwrapped.backend.server.request_log)[-3:]] == [200, 200, 200]
     finally:
         env.close()
 

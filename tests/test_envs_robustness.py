@@ -161,7 +161,9 @@ def test_http_status_codes(http_env):
         assert s.recv(200).split(b" ")[1] == b"411"
     # garbage instead of HTTP, unknown methods, bad versions: a status line and a JSON error all the same
     for raw, code in [(b"\x16\x03\x01 garbage\r\n\r\n", b"400"), (b"BREW /tools HTTP/1.1\r\nHost: x\r\n\r\n", b"405"),
-                      (b"GET /tools HTTP/9.9\r\n\r\n", b"400"), (b"GET\r\n\r\n", b"400")]:
+                      (b"GET /tools HTTP/9.9\r\n\r\n", b"400"), (b"GET\r\n\r\n", b"400"),
+                      (b"GET /tools HTTP/1.1\r\n\r\n", b"400"), (b"GET /tools HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", b"400"),
+                      (b"GET /tools HTTP/2.0\r\nHost: x\r\n\r\n", b"400")]:
         with socket.create_connection((host, port), timeout=5) as s:
             s.sendall(raw)
             reply = b""

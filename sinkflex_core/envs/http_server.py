@@ -16,7 +16,8 @@ agent sees), so the OpenAPI document shows exactly what an agent may send. The a
 checked by the same checker the in-process environment uses, so that an HTTP environment gives the
 agent the same error text, word for word.
 
-:class:`ToolHTTPServer` serves any tool set from a uvicorn server running in a thread of its own;
+:class:`ToolHTTPServer` serves any tool set from a uvicorn server (its httptools protocol, HTTP parsed
+in C) running in a thread of its own;
 :class:`HTTPServedBackend` puts it in front of any backend (mix it in before the backend class, as
 :class:`RetailHTTPBackend` does): the environment's own tool calls then travel over HTTP (one
 kept-alive connection of httpx's HTTP engine, httpcore), resets and closes wait for the request in
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import http
 import inspect
 import json
 import re
@@ -39,8 +41,8 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Annotated, Any, Literal
 
-import h11
 import httpcore
+import httptools
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
@@ -51,14 +53,14 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .base import ToolResult
 from .retail import RetailBackend
 from .retail_tools import ToolError, check_arguments, check_tool_name
 
 MAX_BODY = 64 * 1024
-# Request line and headers together; h11 refuses a larger head with 431.
+# Request line and headers together; a larger head is answered 431.
 MAX_HEAD = 64 * 1024
 MAX_HEADERS = 100
 # A client that sends less body than its Content-Length announces is answered 408 after this long.
@@ -292,8 +294,8 @@ def _tool_endpoint(server: ToolHTTPServer, name: str):
 
 
 def _guarded(app: FastAPI, server: ToolHTTPServer):
-    """The ASGI application around ``app``: refuses what h11 lets through but this API does not speak
-    (other HTTP versions, too many headers) and logs each answer before it leaves, so that a client
+    """The ASGI application around ``app``: refuses what the parser lets through but this API does not speak
+    (other HTTP versions, too many headers, a missing or repeated Host) and logs each answer before it leaves, so that a client
     holding its answer also sees the log entry."""
 
     async def plain(send, status: int, message: str) -> None:
@@ -316,6 +318,9 @@ def _guarded(app: FastAPI, server: ToolHTTPServer):
             return await plain(logged, 400, f"HTTP/{scope['http_version'][:10]} is not supported")
         if len(scope["headers"]) > MAX_HEADERS:
             return await plain(logged, 431, f"more than {MAX_HEADERS} header lines")
+        hosts = sum(name == b"host" for name, _ in scope["headers"])
+        if hosts > 1 or (hosts == 0 and scope["http_version"] == "1.1"):  # RFC 9112, section 3.2
+            return await plain(logged, 400, "an HTTP/1.1 request needs exactly one Host header")
         await app(scope, receive, logged)
 
     guarded.openapi = app.openapi  # reachable for tests and tools that want the document in process
@@ -350,29 +355,86 @@ class _OneWriteTransport:
         return getattr(self._transport, name)
 
 
-class _JSONErrorProtocol(H11Protocol):
-    """uvicorn's h11 protocol, answering requests that are not HTTP with JSON (uvicorn's own answer
-    is text) and with h11's status (400, or 431 for a head that is too large); each answer leaves in
-    one write (:class:`_OneWriteTransport`)."""
+class _ParserErrors:
+    """The connection's httptools parser, remembering which error its last ``feed_data`` raised (uvicorn
+    answers every parser error alike; this API tells an unknown method from a request that is no HTTP)."""
+
+    def __init__(self, parser):
+        self._parser = parser
+        self.error: Exception | None = None
+        self.data = b""
+
+    def feed_data(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as err:
+            self.error, self.data = err, data[:200]
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._parser, name)
+
+
+class _HeadTooLarge(Exception):
+    pass
+
+
+# A request line that is HTTP but for its method: answered 405 like a method FastAPI does not route.
+_UNKNOWN_METHOD = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,32} /\S* HTTP/1\.[01]\r?\n")
+
+
+class _JSONErrorProtocol(HttpToolsProtocol):
+    """uvicorn's protocol on the httptools parser (llhttp, in C), with what this API adds: a bound on the
+    request head (``MAX_HEAD``, answered 431; httptools has none), JSON answers to requests that are not
+    HTTP (uvicorn's are text) and 405 for a method the parser does not know, TCP_NODELAY, and each
+    answer leaving in one write (:class:`_OneWriteTransport`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.parser = _ParserErrors(self.parser)
+        self._head_size = 0  # bytes of the current request's URL and complete headers
+        self._head_chunks = 0  # bytes of chunks received wholly inside the current head
+        self._in_head = True
+        self._began = False
 
     def connection_made(self, transport):
         super().connection_made(_OneWriteTransport(transport))
-        # uvicorn writes an answer's head and body separately: without TCP_NODELAY the body waits for
-        # the client's delayed ACK (40 ms). asyncio sets it only on sockets made with IPPROTO_TCP.
+        # uvicorn may write an answer's head and body separately: without TCP_NODELAY the body would wait
+        # for the client's delayed ACK (40 ms). asyncio sets it only on sockets made with IPPROTO_TCP.
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._bad_status = 400
-        next_event = self.conn.next_event
 
-        def recording_next_event():
-            try:
-                return next_event()
-            except h11.RemoteProtocolError as err:
-                self._bad_status = err.error_status_hint
-                raise
+    def data_received(self, data: bytes) -> None:
+        inside = self._in_head
+        self._began = False
+        super().data_received(data)
+        if inside and self._in_head and not self._began:  # the whole chunk was part of one head
+            self._head_chunks += len(data)
+            if self._head_chunks > MAX_HEAD and not self.transport.is_closing():
+                self._answer_error(431, "request head too large")
 
-        self.conn.next_event = recording_next_event
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_size = self._head_chunks = 0
+        self._in_head = self._began = True
+
+    def _grow_head(self, size: int) -> None:
+        self._head_size += size
+        if self._head_size > MAX_HEAD:
+            raise _HeadTooLarge  # httptools raises it as a parser error: send_400_response answers
+
+    def on_url(self, url: bytes) -> None:
+        self._grow_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._grow_head(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        super().on_headers_complete()
 
     def on_response_complete(self) -> None:
         # The answer leaves when this turn of the event loop is over: the request's task then has
@@ -382,12 +444,19 @@ class _JSONErrorProtocol(H11Protocol):
         super().on_response_complete()
 
     def send_400_response(self, msg: str) -> None:
-        status = self._bad_status if 400 <= self._bad_status < 500 else 400
-        body = json.dumps({"error": "malformed HTTP request" if status == 400 else "request head too large"}).encode()
-        reason = "Bad Request" if status == 400 else "Request Header Fields Too Large" if status == 431 else "Error"
-        head = f"HTTP/1.1 {status} {reason}\r\n".encode()
-        head += b"content-type: application/json\r\nconnection: close\r\ncontent-length: " + str(len(body)).encode()
-        self.transport.write(head + b"\r\n\r\n" + body)
+        err = self.parser.error
+        if self._head_size > MAX_HEAD:
+            self._answer_error(431, "request head too large")
+        elif isinstance(err, httptools.HttpParserInvalidMethodError) and _UNKNOWN_METHOD.match(self.parser.data):
+            self._answer_error(405, "method not allowed")
+        else:
+            self._answer_error(400, "malformed HTTP request")
+
+    def _answer_error(self, status: int, message: str) -> None:
+        body = json.dumps({"error": message}).encode()
+        reason = http.HTTPStatus(status).phrase.encode()
+        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (status, reason, len(body), body))
         self.transport.close()
 
 
@@ -407,7 +476,7 @@ class UvicornThread:
         self.server_address = sock.getsockname()[:2]
         config = uvicorn.Config(app, http=_JSONErrorProtocol, lifespan=lifespan, log_config=None,
                                 log_level="critical", access_log=False, timeout_graceful_shutdown=JOIN_SECONDS,
-                                h11_max_incomplete_event_size=MAX_HEAD, server_header=False)
+                                server_header=False)
         self._uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, args=(sock,), daemon=True, name=name)
         self._thread.start()
