@@ -171,15 +171,19 @@ for body, headers in [(b'{"arguments": {"order_id": "#W0000000"}}', {"Content-Ty
 
 import time
 
+http_env.close()
+# an episode ends after max_turns actions: room for every timed call, or most would only be refused
 orders = list(world.data.orders)[:300]
-for name, e in [("in process", env), ("HTTP", http_env)]:
-    e.reset(options={"task_index": 0})
+for name, env_id in [("in process", "sinkflex/Retail-v0"), ("HTTP", "sinkflex/RetailHTTP-v0")]:
+    timed = gym.make(env_id, split="test", max_turns=len(orders) + 1)
+    timed.reset(options={"task_index": 0})
     t = time.perf_counter()
     for o in orders:
-        e.step(format_tool_call("get_order_details", {"order_id": o}))
+        obs, _, terminated, truncated, _ = timed.step(format_tool_call("get_order_details", {"order_id": o}))
+        assert obs.startswith("{") and not (terminated or truncated), obs[:100]
     dt = (time.perf_counter() - t) / len(orders)
     print(f"{name:10s}: {1e6 * dt:.0f} us per tool call")
-http_env.close()
+    timed.close()
 
 # %% [markdown]
 # ## A text-to-SQL episode
