@@ -3,6 +3,8 @@ named point of one step, to test that a resumed run is the uninterrupted run (te
 
     python tests/interrupted_trainer.py CONFIG.json [POINT STEP]
 
+(:func:`run_script` runs it so from a test, with one thread.)
+
 POINT is where the process dies while step STEP runs (or is saved):
 
 - ``rollout``: inside the training rollouts, right after the first generate call (the turn sampled,
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -78,6 +81,13 @@ def arm(trainer: ScoredTrainer, point: str, at: int) -> None:
                 _die()
 
         torch.save = save_and_die
+
+
+def run_script(args: list, timeout: int = 300) -> subprocess.CompletedProcess:
+    """This script in a child process (from the repository root, one thread), its output captured."""
+    return subprocess.run([sys.executable, str(Path(__file__).resolve()), *map(str, args)],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def main(argv: list[str]) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from interrupted_trainer import run_script
 
 from sinkflex_core import train
 from sinkflex_core.train import ConfigError, TaskSampler, TrainConfig, Trainer
@@ -125,12 +126,6 @@ def test_groups_older_than_k_are_dropped_and_resampled(tokenizer_dir, tmp_path):
     assert not _alive(entry["worker_pid"])
 
 
-def _run_script(args: list, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(Path(__file__).with_name("interrupted_trainer.py")), *map(str, args)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
 @pytest.mark.slow
 def test_a_run_killed_mid_update_resumes_with_a_fresh_worker_and_trains_no_group_twice(tokenizer_dir, tmp_path):
     """k = 1: step 2 was sampled with version 0 while step 1 updated. SIGKILL in step 2's update: the
@@ -140,7 +135,7 @@ def test_a_run_killed_mid_update_resumes_with_a_fresh_worker_and_trains_no_group
     out = tmp_path / "cut"
     config = tmp_path / "cut.json"
     config.write_text(json.dumps(_cfg(tokenizer_dir, out, steps=2, async_rollouts=True, max_staleness=1).to_dict()))
-    proc = _run_script([config, "update", 2])
+    proc = run_script([config, "update", 2])
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert train.latest_checkpoint(out / "checkpoints").name == "step_00000001"
     killed = _groups(out)
@@ -150,7 +145,7 @@ def test_a_run_killed_mid_update_resumes_with_a_fresh_worker_and_trains_no_group
         time.sleep(0.5)
     assert not _alive(killed[0]["worker_pid"]), "the worker outlived its killed learner"
 
-    done = _run_script([config])
+    done = run_script([config])
     assert done.returncode == 0, done.stderr[-3000:]
     groups = _groups(out)
     assert [g["step"] for g in groups] == [1, 2]

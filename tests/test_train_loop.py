@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from interrupted_trainer import run_script
 
 from sinkflex_core import train
 from sinkflex_core.train import TrainConfig, Trainer
@@ -91,12 +92,6 @@ def test_resume_restores_the_learning_rate_schedule(tokenizer_dir, tmp_path):
     assert again.scheduler.get_last_lr() == trainer.scheduler.get_last_lr()
 
 
-def _run_script(args: list, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(Path(__file__).with_name("interrupted_trainer.py")), *map(str, args)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
 @pytest.mark.slow
 def test_resume_after_sigkill_at_any_point_is_the_uninterrupted_run(tokenizer_dir, tmp_path):
     """One run killed with SIGKILL three times, restarted each time with the same command: in the
@@ -114,13 +109,13 @@ def test_resume_after_sigkill_at_any_point_is_the_uninterrupted_run(tokenizer_di
     config.write_text(json.dumps(_cfg(tokenizer_dir, cut, **SCHEDULED).to_dict()))
     ckpts = cut / "checkpoints"
     for point, at, resumes_from in [("rollout", 1, None), ("update", 2, 1), ("save", 3, 2)]:
-        proc = _run_script([config, point, at])
+        proc = run_script([config, point, at])
         assert proc.returncode == -signal.SIGKILL, (point, proc.stderr[-3000:])
         newest = train.latest_checkpoint(ckpts)
         assert (newest.name if newest else None) == (f"step_{resumes_from:08d}" if resumes_from else None), point
         assert not (cut / "policy").exists()
     assert [p.name for p in ckpts.iterdir() if p.name.startswith(".tmp-")] == [".tmp-step_00000003"]
-    done = _run_script([config])
+    done = run_script([config])
     assert done.returncode == 0, done.stderr[-3000:]
     assert not [p for p in ckpts.iterdir() if p.name.startswith(".tmp-")]
 
