@@ -294,9 +294,9 @@ def _tool_endpoint(server: ToolHTTPServer, name: str):
 
 
 def _guarded(app: FastAPI, server: ToolHTTPServer):
-    """The ASGI application around ``app``: refuses what the parser lets through but this API does not speak
-    (other HTTP versions, too many headers, a missing or repeated Host) and logs each answer before it leaves, so that a client
-    holding its answer also sees the log entry."""
+    """The ASGI application around ``app``: refuses what the parser lets through but this API does not
+    speak (other HTTP versions, too many headers, a missing or repeated Host) and logs each answer before
+    it leaves, so that a client holding its answer also sees the log entry."""
 
     async def plain(send, status: int, message: str) -> None:
         body = json.dumps({"error": message}).encode()
