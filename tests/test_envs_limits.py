@@ -104,6 +104,27 @@ def test_every_answer_of_the_server_is_json():
         env.close()
 
 
+def test_an_unexpected_failure_outside_the_tools_is_answered_500_in_json():
+    """A bug in a route other than a tool's (here: tool schemas that cannot be written as JSON) is
+    answered in JSON like every other error, and the server goes on serving."""
+    env = gym.make("sinkflex/RetailHTTP-v0", split="train")
+    try:
+        env.reset(options={"task_index": 0})
+        server = env.unwrapped.backend.server
+        host, port = server.server_address[:2]
+        schemas, server.schemas = server.schemas, [object()]
+        reply = _exchange(host, port, [b"GET /tools HTTP/1.1\r\nHost: x\r\n\r\n"])
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 500 ") and b"application/json" in head, reply[:300]
+        assert json.loads(body) == {"error": "internal error: TypeError"}
+        server.schemas = schemas
+        status, payload = post_raw(f"{env.unwrapped.backend.url}/tools/think", b'{"arguments": {"thought": "x"}}',
+                                   {"Content-Type": "application/json"})
+        assert status == 200 and payload["output"] == "ok"
+    finally:
+        env.close()
+
+
 def _exchange(host: str, port: int, pieces: list[bytes], pause: float = 0.0, until_answer: bool = False) -> bytes:
     """Send ``pieces`` one write each (``pause`` seconds apart), then read until the server closes. With
     ``until_answer``, stop writing once an answer is there: the server has refused the request and

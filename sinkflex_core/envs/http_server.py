@@ -8,8 +8,8 @@ API (JSON in, JSON out; every answer, errors included, is a JSON object; ``/open
   (a tool's refusal is a normal ``"Error: ..."`` output), ``400`` malformed JSON, body or HTTP,
   ``404`` unknown path or tool, ``405`` other methods, ``408`` body not sent in time, ``411`` no
   Content-Length, ``413`` body too large, ``415`` not JSON, ``422`` arguments that do not fit the
-  tool's schema, ``431`` request head too large, ``500`` a bug in a tool, ``503`` the environment
-  is closing.
+  tool's schema, ``431`` request head too large, ``500`` a bug in a tool or in the server, ``503``
+  the environment is closing.
 
 The request body of each tool is a pydantic model generated from the tool's JSON schema (the one the
 agent sees), so the OpenAPI document shows exactly what an agent may send. The arguments themselves are
@@ -173,6 +173,11 @@ def build_app(server: ToolHTTPServer) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, err: RequestValidationError):
         return _error(400, "malformed request")
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, err: Exception):
+        # a bug outside the tools (which answer their own 500): still JSON, in place of Starlette's text
+        return _error(500, f"internal error: {type(err).__name__}", close=True)
 
     @app.get("/tools", response_model=ToolList)
     async def list_tools():
