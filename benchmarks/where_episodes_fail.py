@@ -1,0 +1,239 @@
+"""Where does a policy's episode go wrong? Two views of a saved retail policy against the oracle.
+
+1. **Sampled:** ``--samples`` episodes of each chosen test task, played with the rollout settings of the
+   tiny-cpu preset (``--temperature``, default 1, as its evaluations), and for each failed episode the
+   first tool call that differs from the oracle's on the same task: a message where the oracle calls a
+   tool, a call the environment cannot read (no closing tag, broken JSON), another tool, or a wrong
+   value (which arguments). The scripted customer answers the same way to the same calls, so the first
+   difference is where the episode left the oracle's path.
+2. **Teacher-forced:** the oracle's episodes of the same tasks fed to the policy, and for every value of
+   every tool-call argument the oracle writes, whether the policy's most likely token is right at the
+   value's first token (which value) and at all of its other tokens (copying it through), by argument.
+   ``copy`` values appeared earlier in the episode (the customer's sentence, a tool's record); ``new``
+   ones did not (mostly tool names).
+
+    python benchmarks/where_episodes_fail.py --policy data/retail-tiny-start                   # 120 x 4, ~5 min
+    python benchmarks/where_episodes_fail.py --policy DIR --kinds "read only,cancel_pending_order"
+
+A task fails when any one of its values is wrong, and a tiny policy that starts a value wrong often
+loses the call's format with it, so the first view counts where episodes end up and the second says
+which values the policy cannot look up at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+print = functools.partial(print, flush=True)
+
+
+def oracle_calls(messages: list[dict]) -> list[tuple[str, dict]]:
+    """The ``(name, arguments)`` of every tool call among the assistant turns of ``messages``."""
+    from sinkflex_core.envs.base import parse_action
+
+    calls = []
+    for m in messages:
+        if m["role"] != "assistant":
+            continue
+        for call in m.get("tool_calls") or []:  # the chat format's tool calls (the oracle's episodes)
+            arguments = call["function"]["arguments"]
+            calls.append((call["function"]["name"], json.loads(arguments) if isinstance(arguments, str) else arguments))
+        action = parse_action(m.get("content") or "")
+        if action.kind == "tool":  # a tool call written in the text (a policy's turns)
+            calls.append((action.name, action.arguments))
+    return calls
+
+
+def _first_wrong_part(text: str, name: str, arguments: dict) -> str:
+    """Which part of the oracle's call ``name(arguments)``, written as the policy writes calls
+    (:func:`sinkflex_core.envs.base.format_tool_call`), ``text`` first differs in: ``"tool name"``,
+    an argument's name, or ``"format"`` (the tags and JSON around them)."""
+    from sinkflex_core.envs.base import format_tool_call
+
+    ref = format_tool_call(name, arguments)
+    at = next((i for i, (a, b) in enumerate(zip(text, ref)) if a != b), min(len(text), len(ref)))
+    parts = [(ref.index('"name": ') + len('"name": '), "tool name")]
+    inner = ref.index('"arguments": ')
+    parts += [(ref.index(f'"{key}": ', inner) + len(f'"{key}": '), key) for key in arguments]
+    parts.append((ref.rindex("}}"), "format"))
+    label = "format"
+    for start, part in parts:
+        if start <= at:
+            label = part
+    return label
+
+
+def first_difference(messages: list[dict], oracle: list[tuple[str, dict]]) -> str:
+    """Where the assistant turns of ``messages`` first leave the oracle's tool calls ``oracle``: a label
+    such as ``call 1 (get_user_details): wrong user_id``. Messages to the customer between calls are
+    skipped; a turn that tries a tool call and cannot be read counts as that call, labelled with the
+    part of the oracle's call its text first differs in (``unreadable, off at email``)."""
+    from sinkflex_core.envs.base import parse_action
+
+    tries = []
+    for m in messages:
+        if m["role"] != "assistant":
+            continue
+        text = m.get("content") or ""
+        for call in m.get("tool_calls") or []:  # a call the environment read (its text is not kept)
+            arguments = call["function"]["arguments"]
+            tries.append(("", call["function"]["name"],
+                          json.loads(arguments) if isinstance(arguments, str) else arguments))
+        if m.get("tool_calls"):
+            continue
+        action = parse_action(text)
+        if action.kind == "tool":
+            tries.append((text, action.name, action.arguments))
+        elif action.kind == "invalid" or "<tool_call>" in text or '"arguments"' in text:
+            tries.append((text, None, None))
+    for i, (name, arguments) in enumerate(oracle):
+        where = f"call {i} ({name})"
+        if i >= len(tries):
+            return f"{where}: never made"
+        text, got, args = tries[i]
+        if got is None:
+            return f"{where}: unreadable, off at {_first_wrong_part(text, name, arguments)}"
+        if got != name:
+            return f"{where}: another tool"
+        wrong = [k for k in arguments if args.get(k) != arguments[k]] + sorted(set(args) - set(arguments))
+        if wrong:
+            return f"{where}: wrong {','.join(wrong)}"
+    return "every call right (answer, extra calls or the end)"
+
+
+def sampled_failures(policy, tokenizer, tasks: list[int], samples: int, temperature: float = 1.0,
+                     seed: int = 0, progress: bool = True) -> collections.Counter:
+    """``samples`` episodes of each test task in ``tasks``, played by ``policy``: how many succeeded
+    (``"success"``) and, for the others, how many left the oracle's path where (:func:`first_difference`)."""
+    from tqdm.auto import tqdm
+
+    from sinkflex_core.envs.oracle import expert_conversation
+    from sinkflex_core.rollout import HFBackend, collect_rollouts
+    from sinkflex_core.train.config import resolve_config, rollout_config
+    from sinkflex_core.train.data import derive_seed
+
+    cfg = resolve_config("tiny-cpu")
+    oracle = {t: oracle_calls(expert_conversation(cfg.env_id, "test", t)[0]) for t in tasks}
+    counts = collections.Counter()
+    chunks = [tasks[i:i + 8] for i in range(0, len(tasks), 8)]
+    with torch.no_grad():
+        for n, chunk in enumerate(tqdm(chunks, desc="episodes", unit="call", disable=not progress)):
+            call_seed = derive_seed(seed, "where_episodes_fail", n) & 0x7FFFFFFF
+            torch.manual_seed(call_seed)
+            batch = collect_rollouts(HFBackend(policy, tokenizer), tokenizer, cfg.env_id, chunk, "test",
+                                     rollout_config(cfg, call_seed, group_size=samples, temperature=temperature))
+            for traj in batch.trajectories:
+                success = traj.reward >= 1 - 1e-6
+                counts["success" if success else first_difference(traj.messages, oracle[traj.task_index])] += 1
+    return counts
+
+
+def value_accuracy(model, tokenizer, examples: list[dict[str, torch.Tensor]]) -> list[dict]:
+    """Teacher-forced accuracy on the values of the oracle's tool calls in ``examples`` (from
+    :func:`sinkflex_core.sft.expert_examples`): one row per argument and origin (``copy``: the value's
+    text appeared earlier in the episode; ``new``: it did not) with ``values``, ``first`` (share whose
+    first token is the most likely one), ``rest`` (share whose other tokens all are, given the right
+    ones before) and ``whole`` (both)."""
+    from sinkflex_core.sft_data import token_texts, value_start_mask, value_start_tokens
+
+    texts = token_texts(tokenizer)
+    tables = value_start_tokens(tokenizer)
+    stats = collections.defaultdict(lambda: [0, 0, 0, 0])
+    was_training = model.training
+    model.eval()
+    try:
+        for e in examples:
+            ids = e["input_ids"]
+            with torch.no_grad():
+                pred = model(input_ids=ids[None]).logits[0].argmax(-1)
+            for start in value_start_mask(ids[None], e["loss_mask"][None], *tables)[0].nonzero().flatten().tolist():
+                end = start  # the value runs up to the token that holds its closing quote
+                while end < len(ids) and '"' not in texts[int(ids[end])]:
+                    end += 1
+                if end >= len(ids):
+                    continue
+                tail = texts[int(ids[end])].split('"')[0]
+                span = range(start, end + 1 if tail else end)
+                if not span:
+                    continue
+                value = "".join(texts[int(t)] for t in ids[start:end]) + tail
+                keys = re.findall(r'(\w+)":', "".join(texts[int(t)] for t in ids[max(0, start - 6):start]))
+                origin = "copy" if value and value in "".join(texts[int(t)] for t in ids[:start - 1]) else "new"
+                hits = [int(pred[p - 1]) == int(ids[p]) for p in span]
+                row = stats[(keys[-1] if keys else "name", origin)]
+                row[0] += 1
+                row[1] += hits[0]
+                row[2] += all(hits[1:])
+                row[3] += all(hits)
+    finally:
+        model.train(was_training)
+    return [{"argument": key, "origin": origin, "values": n, "first": f / n, "rest": r / n, "whole": w / n}
+            for (key, origin), (n, f, r, w) in sorted(stats.items())]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--policy", required=True, help="a saved policy folder")
+    p.add_argument("--tasks", type=int, default=120, help="the first N test tasks")
+    p.add_argument("--kinds", default="", help="only tasks of these kinds (comma-separated, as "
+                   "sinkflex_core.train.task_kinds names them: 'read only', 'cancel_pending_order', ...)")
+    p.add_argument("--samples", type=int, default=4, help="episodes per task (0: only the teacher-forced view)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if not (Path(args.policy) / "config.json").is_file():
+        p.error(f"--policy {args.policy!r} is not a saved policy folder (no config.json)")
+    if args.samples < 0 or args.tasks < 1 or args.temperature < 0:
+        p.error("--samples must be >= 0, --tasks >= 1 and --temperature >= 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from sinkflex_core import models, sft
+    from sinkflex_core.train import count_tasks, task_kinds
+
+    tasks = list(range(min(args.tasks, count_tasks("sinkflex/Retail-v0", "test"))))
+    if args.kinds:
+        wanted = {k.strip() for k in args.kinds.split(",")}
+        kinds = task_kinds("test", tasks)
+        unknown = wanted - set(kinds)
+        if unknown:
+            p.error(f"--kinds: no test task of kind {sorted(unknown)}; kinds here: {sorted(set(kinds))}")
+        tasks = [t for t, k in zip(tasks, kinds) if k in wanted]
+    policy = models.load_policy(args.policy)  # with the attention it was trained with
+    tokenizer = models.load_tokenizer(args.policy)
+    t0 = time.perf_counter()
+    if args.samples:
+        counts = sampled_failures(policy, tokenizer, tasks, args.samples, args.temperature, args.seed,
+                                  progress=not args.no_progress)
+        total = sum(counts.values())
+        print(f"{len(tasks)} test tasks x {args.samples} episodes at temperature {args.temperature:g}: "
+              f"{counts['success']} of {total} succeeded ({counts['success'] / total:.3f})")
+        print("where the others first left the oracle's tool calls:")
+        for label, n in counts.most_common():
+            if label != "success":
+                print(f"  {n:5d}  {label}")
+    examples = sft.expert_examples(tokenizer, sft.SFTConfig(), tasks, split="test")
+    rows = value_accuracy(policy, tokenizer, examples)
+    print(f"teacher-forced, the oracle's episodes of the same {len(tasks)} tasks "
+          "(first token / the rest / whole value right):")
+    print(f"  {'argument':<20} {'origin':<6} {'values':>6} {'first':>6} {'rest':>6} {'whole':>6}")
+    for r in rows:
+        print(f"  {r['argument']:<20} {r['origin']:<6} {r['values']:>6} {r['first']:>6.2f} {r['rest']:>6.2f} "
+              f"{r['whole']:>6.2f}")
+    print(f"({(time.perf_counter() - t0) / 60:.1f} min)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""benchmarks/where_episodes_fail.py: where an episode first leaves the oracle's tool calls, and the
+teacher-forced accuracy on the values of those calls."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from sinkflex_core import sft
+from sinkflex_core.envs.base import format_tool_call
+from sinkflex_core.envs.oracle import expert_conversation
+from sinkflex_core.models import build_model, get_tokenizer, tiny_qwen2_config
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location(
+        "where_episodes_fail", Path(__file__).resolve().parents[1] / "benchmarks" / "where_episodes_fail.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return get_tokenizer()
+
+
+def _turn(text: str = "", calls: list | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
+    return message
+
+
+def test_the_first_difference_names_the_call_and_the_value(script):
+    oracle = [("find_user_id_by_email", {"email": "mei.patel4567@example.com"}),
+              ("get_user_details", {"user_id": "mei_patel_4567"})]
+    right, wrong_id = oracle[0], ("get_user_details", {"user_id": "mei_patel_4566"})
+    greeting = _turn("Sure. Please tell me your email.")
+    cases = {
+        "every call right (answer, extra calls or the end)": [greeting, _turn(calls=[right]), _turn(calls=[oracle[1]])],
+        "call 1 (get_user_details): wrong user_id": [greeting, _turn(calls=[right]), _turn(calls=[wrong_id])],
+        "call 1 (get_user_details): never made": [greeting, _turn(calls=[right]), _turn("Your order is pending.")],
+        "call 0 (find_user_id_by_email): another tool": [_turn(calls=[oracle[1]])],
+        # a call written in the text, as read by the environment's parser, counts like a recorded one
+        "call 0 (find_user_id_by_email): wrong email,zip": [_turn(format_tool_call(
+            "find_user_id_by_email", {"email": "mei.patel4567@example.org", "zip": "1"}))],
+        # an unreadable call: where its text leaves the oracle's call
+        "call 0 (find_user_id_by_email): unreadable, off at email": [_turn(
+            '<tool_call>\n{"name": "find_user_id_by_email", "arguments": {"email": "mei.pat "x"}}\n</tool_call>')],
+        "call 0 (find_user_id_by_email): unreadable, off at tool name": [_turn(
+            '<tool_call>\n{"name": "find_user_id_by_mail", "arguments": {"email": }}\n</tool_call>')],
+        "call 0 (find_user_id_by_email): unreadable, off at format": [_turn(
+            '<tool_call>\n{"name": "find_user_id_by_email", "arguments": {"email": "mei.patel4567@example.com"}}}'
+            '\n</tool_call>')],
+    }
+    for expected, messages in cases.items():
+        assert script.first_difference(messages, oracle) == expected, messages
+
+
+def test_the_oracles_own_episodes_leave_nothing(script):
+    messages, reward = expert_conversation("sinkflex/Retail-v0", "test", 4)
+    calls = script.oracle_calls(messages)
+    assert reward == 1.0 and calls[0][0].startswith("find_user_id_by_") and len(calls) >= 3
+    assert script.first_difference(messages, calls) == "every call right (answer, extra calls or the end)"
+    assert script.first_difference(messages[:-3], calls + [("think", {"thought": "x"})]).endswith("never made")
+
+
+def test_value_accuracy_is_perfect_for_a_model_that_knows_the_next_token(script, tokenizer):
+    examples = sft.expert_examples(tokenizer, sft.SFTConfig(), [0, 1, 2], split="test")
+
+    class Oracle(torch.nn.Module):  # predicts every next token of its input
+        def forward(self, input_ids, **kw):
+            return type("Out", (), {"logits": torch.nn.functional.one_hot(torch.roll(input_ids, -1, 1),
+                                                                          len(tokenizer)).float()})()
+
+    rows = script.value_accuracy(Oracle(), tokenizer, examples)
+    by = {(r["argument"], r["origin"]): r for r in rows}
+    assert {("email", "copy"), ("user_id", "copy"), ("order_id", "copy"), ("name", "new")} <= set(by)
+    assert all(r["first"] == r["rest"] == r["whole"] == 1.0 for r in rows)
+    random = build_model(tiny_qwen2_config(len(tokenizer), hidden_size=32, num_layers=1, tokenizer=tokenizer))
+    guessed = script.value_accuracy(random, tokenizer, examples)
+    assert [(r["argument"], r["values"]) for r in guessed] == [(r["argument"], r["values"]) for r in rows]
+    assert sum(r["whole"] for r in guessed) < 0.5 * len(guessed)  # random weights copy (almost) nothing
+
+
+def test_command_line(script, tokenizer, tmp_path, capsys):
+    policy = tmp_path / "policy"
+    build_model(tiny_qwen2_config(len(tokenizer), hidden_size=32, num_layers=1, tokenizer=tokenizer)).save_pretrained(
+        policy)
+    tokenizer.save_pretrained(policy)
+    assert script.main(["--policy", str(policy), "--tasks", "3", "--samples", "1", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "3 test tasks x 1 episodes at temperature 1: 0 of 3 succeeded" in printed
+    assert "call 0 (find_user_id_by_" in printed and "teacher-forced" in printed
+    with pytest.raises(SystemExit):
+        script.main(["--policy", str(tmp_path / "nowhere")])
+    with pytest.raises(SystemExit):
+        script.main(["--policy", str(policy), "--kinds", "no such kind"])
