@@ -22,7 +22,9 @@ The recipe, in the order :func:`train_sft` runs it:
   weights, and saves the settings beside them (:func:`sinkflex_core.models.load_policy` restores them);
 - optional stages, off by default: key-value recall drills (``recall_*``), a heavier loss on the
   first token of tool-call values (``value_loss_weight``), the identity stage that scores the values
-  of the identity call alone (``identity_*``; :data:`IDENTITY_STAGE` is the recorded second stage);
+  of the identity call alone (``identity_*``; :data:`IDENTITY_STAGE` is the recorded second stage),
+  the later calls' values scored alone (``action_rows``), renumbering of two-digit tokens
+  (``swap_digit_pairs``); :data:`LOOKUP_STAGE` combines them;
 - early stopping: every ``eval_every`` optimizer steps the policy plays held-out training tasks (the
   last ``val_tasks`` of the ``"train"`` split, never in the SFT data) with the rollout settings of the
   GRPO run; training stops at the first evaluation whose mean reward reaches ``stop_at_reward`` (the
@@ -52,11 +54,14 @@ import torch
 from .models import DEFAULT_VOCAB_SIZE
 from .sft_data import (  # noqa: F401  (re-exported: sft.<name> stays valid)
     RECALL_FILLER_WORDS,
+    action_batch,
+    action_cuts,
     add_copy_rows,
     add_drill_rows,
     collate,
     copy_drill_batch,
     copy_drills,
+    digit_pair_group,
     drill_batch,
     drill_row_count,
     episode_openings,
@@ -65,12 +70,14 @@ from .sft_data import (  # noqa: F401  (re-exported: sft.<name> stays valid)
     length_batches,
     name_swap_groups,
     number_swap_group,
+    quote_tokens,
     recall_drills,
     recall_tokens,
     swap_names,
     token_texts,
     value_start_mask,
     value_start_tokens,
+    whole_values,
 )
 from .train import (
     COMPACT_SYSTEM_PROMPT,
@@ -135,8 +142,16 @@ class SFTConfig:
                                     "(episode_openings)")
     swap_numbers: float = option(0.0, "share of the expert episodes whose numbers are renumbered "
                                       "(number_swap_group)")
+    swap_digit_pairs: bool = option(False, "renumbering (of the episodes and of the identity rows) also "
+                                           "permutes the two-digit tokens (digit_pair_group): a zip code's "
+                                           "last digits")
     identity_rows: int = option(0, "episode openings per optimizer step whose identity-call values add their "
                                    "own mean loss to the step's (identity_batch)")
+    action_rows: int = option(0, "episodes per optimizer step, each cut after one of the expert's later tool "
+                                 "calls, whose values add their own mean loss (action_batch)")
+    identity_values: str = option("first", "what the identity and action rows score of each value of their "
+                                           "call: 'first' (its first token) or 'whole' (every token, "
+                                           "whole_values)")
     # the next three apply to a new model only (skipped with init_from)
     previous_token_heads: bool = option(True, "start layer 0's first KV group as previous-token heads "
                                               "(models.init_previous_token_heads)")
@@ -148,7 +163,8 @@ class SFTConfig:
     identity_warmup_steps: int = option(0, "optimizer steps on identity_batch alone (about batch_tokens "
                                            "each) before the SFT; also with init_from")
     recall_fact_fillers: int = option(1, "most separator tokens between a drill fact's key and value (1: "
-                                         "`zip 92181`; 3: also `email is lucia...`)")
+                                         "`zip 92181`; 3: also `email is lucia...`; 0: none in the fact "
+                                         "nor in the question, plain one-token induction: `921 81`)")
     min_lr_ratio: float = option(0.1, "end of the cosine decay, as a share of lr")
     warmup_steps: int = option(30, "optimizer steps of linear warm-up")
     weight_decay: float = option(0.01, "AdamW weight decay")
@@ -175,7 +191,7 @@ class SFTConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("train_tasks", "val_tasks", "warmup_steps", "min_steps", "threads", "schedule_steps",
                      "num_heads", "num_kv_heads", "copy_warmup_steps", "opening_copies",
-                     "recall_warmup_steps", "identity_warmup_steps", "identity_rows"):
+                     "recall_warmup_steps", "identity_warmup_steps", "identity_rows", "action_rows"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -190,8 +206,10 @@ class SFTConfig:
             raise ConfigError(f"max_minutes must be > 0, got {self.max_minutes}")
         if not 0 <= self.copy_fraction < 1:
             raise ConfigError(f"copy_fraction must be in [0, 1), got {self.copy_fraction}")
-        if not (isinstance(self.recall_fact_fillers, int) and 1 <= self.recall_fact_fillers <= 4):
-            raise ConfigError(f"recall_fact_fillers must be an integer in [1, 4], got {self.recall_fact_fillers!r}")
+        if not (isinstance(self.recall_fact_fillers, int) and 0 <= self.recall_fact_fillers <= 4):
+            raise ConfigError(f"recall_fact_fillers must be an integer in [0, 4], got {self.recall_fact_fillers!r}")
+        if self.identity_values not in ("first", "whole"):
+            raise ConfigError(f"identity_values must be 'first' or 'whole', got {self.identity_values!r}")
         if not 0 <= self.recall_fraction < 1 or self.copy_fraction + self.recall_fraction >= 1:
             raise ConfigError(f"recall_fraction must be in [0, 1) and leave room for expert rows beside "
                               f"copy_fraction, got {self.recall_fraction}")
@@ -382,16 +400,26 @@ def recall_warmup(policy: TokenLogprobs, cfg: SFTConfig, token_ids: torch.Tensor
     :func:`copy_warmup` (rows of ``cfg.copy_warmup_length`` tokens). Returns the loss of every step."""
     return drill_warmup(policy, cfg, cfg.recall_warmup_steps, "recall warm-up",
                         lambda rows, length: drill_batch(*recall_drills(rows, length, token_ids, fillers, rng,
-                                                           fact_fillers=(1, cfg.recall_fact_fillers))))
+                                                                        **recall_layout(cfg))))
+
+
+def recall_layout(cfg: SFTConfig) -> dict[str, tuple[int, int]]:
+    """The separators of the recall drills (:func:`recall_drills`' ``fact_fillers`` and ``ask_fillers``)
+    that ``cfg.recall_fact_fillers`` asks for: none anywhere for 0, else 1 to that many in the fact and
+    the drills' default in the question."""
+    n = cfg.recall_fact_fillers
+    return {"fact_fillers": (0, 0), "ask_fillers": (0, 0)} if n == 0 else {"fact_fillers": (1, n)}
 
 
 def identity_warmup(policy: TokenLogprobs, cfg: SFTConfig, openings: list[dict[str, torch.Tensor]],
-                    groups: list[torch.Tensor], pad_id: int, value_tables, rng: np.random.Generator) -> list[float]:
+                    groups: list[torch.Tensor], pad_id: int, value_tables, rng: np.random.Generator,
+                    quotes: torch.Tensor | None = None) -> list[float]:
     """``cfg.identity_warmup_steps`` optimizer steps on :func:`identity_batch` alone, as
-    :func:`copy_warmup` (about ``cfg.batch_tokens`` real tokens per step). Returns the loss of every step."""
+    :func:`copy_warmup` (about ``cfg.batch_tokens`` real tokens per step; ``quotes``: whole values
+    scored, ``cfg.identity_values``). Returns the loss of every step."""
     rows = max(1, round(cfg.batch_tokens / np.mean([len(e["input_ids"]) for e in openings])))
     return drill_warmup(policy, cfg, cfg.identity_warmup_steps, "identity warm-up",
-                        lambda *_: identity_batch(openings, rows, rng, pad_id, value_tables, groups))
+                        lambda *_: identity_batch(openings, rows, rng, pad_id, value_tables, groups, quotes))
 
 
 def drill_warmup(policy: TokenLogprobs, cfg: SFTConfig, steps: int, desc: str, make_batch) -> list[float]:
@@ -446,6 +474,8 @@ class _Ingredients:
     number_group: list[torch.Tensor]
     identity_groups: list[torch.Tensor]
     tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    quotes: torch.Tensor | None = None  # identity rows score whole values (identity_values="whole")
+    cuts: list[tuple[int, int, int]] | None = None  # the later tool calls, for action rows
 
 
 @dataclass
@@ -607,21 +637,27 @@ def _prepare(policy: TokenLogprobs, cfg: SFTConfig, tokenizer, data: list[dict[s
         swap_groups = name_swap_groups(tokenizer, data)
         print(f"sft: renaming {cfg.swap_names:.0%} of the episodes; words per group: "
               f"{[len(g) for g in swap_groups]}", file=sys.stderr)
-    tables = value_start_tokens(tokenizer) if cfg.value_loss_weight != 1.0 or openings else None
+    tables = value_start_tokens(tokenizer) if cfg.value_loss_weight != 1.0 or openings or cfg.action_rows else None
     numbers = number_swap_group(tokenizer) if openings or cfg.swap_numbers else torch.zeros(0, dtype=torch.long)
-    numbers = numbers if len(numbers) >= 2 else torch.zeros(0, dtype=torch.long)  # a tokenizer without them
+    # (a tokenizer without such tokens renumbers nothing)
+    number_groups = [g for g in [numbers] + ([digit_pair_group(tokenizer)] if cfg.swap_digit_pairs else [])
+                     if len(g) >= 2]
     # identity batches are renamed and renumbered: a training user's order id is otherwise a key to
     # remembering their zip code
-    identity_groups = swap_groups + ([numbers] if len(numbers) else []) if openings else []
+    identity_groups = swap_groups + number_groups if openings or cfg.action_rows else []
+    quotes = quote_tokens(tokenizer) if (openings or cfg.action_rows) and cfg.identity_values == "whole" else None
+    cuts = action_cuts(data, tokenizer.convert_tokens_to_ids("<tool_call>")) if cfg.action_rows else None
+    if cfg.action_rows and not cuts:
+        raise RuntimeError("action_rows: no expert episode calls a second tool")
     if cfg.identity_warmup_steps:
-        identity_warmup(policy, cfg, openings, identity_groups, pad, tables, rng)
-    number_group = [numbers] if cfg.swap_numbers and len(numbers) else []
+        identity_warmup(policy, cfg, openings, identity_groups, pad, tables, rng, quotes)
+    number_group = number_groups if cfg.swap_numbers else []
     if number_group:
-        print(f"sft: renumbering {cfg.swap_numbers:.0%} of the episodes ({len(number_group[0])} three-digit tokens)",
-              file=sys.stderr)
+        sizes = ", ".join(f"{len(g)} {w}-digit tokens" for g, w in zip(number_group, ("three", "two")))
+        print(f"sft: renumbering {cfg.swap_numbers:.0%} of the episodes ({sizes})", file=sys.stderr)
     return _Ingredients(tokenizer=tokenizer, data=data, openings=openings, val_ids=val_ids, pad=pad,
                         copy_tokens=copy_tokens, recall=recall, swap_groups=swap_groups, number_group=number_group,
-                        identity_groups=identity_groups, tables=tables)
+                        identity_groups=identity_groups, tables=tables, quotes=quotes, cuts=cuts)
 
 
 def _lr_at(cfg: SFTConfig, step: int) -> float:
@@ -682,7 +718,7 @@ def _expert_batch(cfg: SFTConfig, kit: _Ingredients, idx: list[int], rng: np.ran
         batch = add_copy_rows(batch, cfg.copy_fraction, kit.copy_tokens, rng)
     if cfg.recall_fraction:
         batch = add_drill_rows(batch, *recall_drills(drill_row_count(B, cfg.recall_fraction), L, *kit.recall,
-                                                     rng, fact_fillers=(1, cfg.recall_fact_fillers)))
+                                                     rng, **recall_layout(cfg)))
     if cfg.value_loss_weight != 1.0:
         batch["value_mask"] = value_start_mask(batch["input_ids"], batch["loss_mask"], *kit.tables)
     return batch
@@ -698,9 +734,13 @@ def _optimizer_step(policy: TokenLogprobs, opt: torch.optim.Optimizer, cfg: SFTC
     expert_loss = loss.item()
     if cfg.identity_rows:
         id_loss, _ = sft_loss(policy, identity_batch(kit.openings, cfg.identity_rows, rng, kit.pad, kit.tables,
-                                                     kit.identity_groups))
+                                                     kit.identity_groups, kit.quotes))
         progress.id_sum, progress.id_steps = progress.id_sum + id_loss.item(), progress.id_steps + 1
         loss = loss + id_loss
+    if cfg.action_rows:
+        act_loss, _ = sft_loss(policy, action_batch(kit.data, kit.cuts, cfg.action_rows, rng, kit.pad, kit.tables,
+                                                    kit.identity_groups, kit.quotes))
+        loss = loss + act_loss
     loss.backward()
     torch.nn.utils.clip_grad_norm_(policy.lm.parameters(), cfg.grad_clip)
     opt.step()
@@ -763,6 +803,33 @@ def identity_stage(base_dir: str | Path, out_dir: str | Path, **overrides) -> SF
     """
     values = saved_config(base_dir)
     values.update(IDENTITY_STAGE, init_from=str(base_dir), out_dir=str(out_dir), **overrides)
+    return SFTConfig(**values)
+
+
+#: The lookup stage (:func:`lookup_stage`): continue a finished SFT run with every lookup of a tool call's
+#: values drilled and scored on its own. Recall drills without separators (plain induction from one
+#: token: a zip code's last two digits after its first three), 200 steps alone and then a quarter of
+#: each batch's rows; the identity call's values scored whole, 300 steps alone and then 8 rows a step;
+#: the first token of every value weighted 10 times; every episode renamed and renumbered, the
+#: two-digit tokens too, so that no training user's zip code or ids can be remembered; lr 1e-3.
+LOOKUP_STAGE = {"recall_warmup_steps": 200, "recall_fact_fillers": 0, "recall_fraction": 0.25,
+                "identity_warmup_steps": 300, "identity_rows": 8, "identity_values": "whole",
+                "value_loss_weight": 10.0, "swap_numbers": 1.0, "swap_digit_pairs": True,
+                "lr": 1e-3, "warmup_steps": 10, "max_steps": 1000, "eval_every": 1000}
+
+
+def lookup_stage(base_dir: str | Path, out_dir: str | Path, **overrides) -> SFTConfig:
+    """The config of the lookup stage: :data:`LOOKUP_STAGE` on top of the saved config of the SFT run in
+    ``base_dir`` (``init_from`` it), writing to ``out_dir``; ``overrides`` last. On the command line,
+    from the shipped start::
+
+        python -m sinkflex_core.sft --init-from data/retail-tiny-start --recall-warmup-steps 200 \
+            --recall-fact-fillers 0 --recall-fraction 0.25 --identity-warmup-steps 300 --identity-rows 8 \
+            --identity-values whole --value-loss-weight 10 --swap-numbers 1.0 --swap-digit-pairs \
+            --lr 1e-3 --warmup-steps 10 --max-steps 1000 --eval-every 1000 --out-dir runs/start/sft_lookup
+    """
+    values = saved_config(base_dir)
+    values.update(LOOKUP_STAGE, init_from=str(base_dir), out_dir=str(out_dir), **overrides)
     return SFTConfig(**values)
 
 

@@ -92,14 +92,17 @@ def episode_openings(examples: list[dict[str, torch.Tensor]], tool_call_id: int)
 
 def identity_batch(openings: list[dict[str, torch.Tensor]], rows: int, rng: np.random.Generator, pad_id: int,
                    value_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                   groups: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                   groups: list[torch.Tensor] | None = None,
+                   quotes: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """``rows`` episode openings (:func:`episode_openings`) drawn at random, renamed with ``groups``
     (:func:`swap_names`; none: as they are), as a batch in the layout of :func:`collate` whose loss
     mask keeps only the first token of each value the expert writes in the opening's tool call
     (:func:`value_start_mask`, tables from :func:`value_start_tokens`): the tool's name and the
     identity lookup's e-mail, or first name, last name and zip code, read out of the customer's
-    sentence. All rows are marked in ``copy_rows``, so :func:`~sinkflex_core.sft.sft_loss` scores only those tokens and
-    averages over them.
+    sentence. With ``quotes`` (:func:`quote_tokens`), every token of each value is scored, up to the one
+    that holds its closing quote (:func:`whole_values`): the zip code's last two digits too, which
+    follow its first three by plain induction. All rows are marked in ``copy_rows``, so
+    :func:`~sinkflex_core.sft.sft_loss` scores only those tokens and averages over them.
 
     A full episode has a few such tokens among about a thousand, and the tiny model learns the
     conversation's form and copying from records long before it reads the customer's sentence; scored
@@ -107,13 +110,76 @@ def identity_batch(openings: list[dict[str, torch.Tensor]], rows: int, rng: np.r
     if not openings:
         raise ValueError("identity_batch needs at least one episode opening")
     picked = [openings[int(i)] for i in rng.integers(0, len(openings), rows)]
+    return _value_rows(picked, rng, pad_id, value_tables, groups, quotes)
+
+
+def _value_rows(picked: list[dict[str, torch.Tensor]], rng: np.random.Generator, pad_id: int,
+                value_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor], groups: list[torch.Tensor] | None,
+                quotes: torch.Tensor | None) -> dict[str, torch.Tensor]:
     if groups:
         picked = [swap_names(e, groups, rng) for e in picked]
+    rows = len(picked)
     batch = collate(picked, pad_id)
-    batch["loss_mask"] = value_start_mask(batch["input_ids"], batch["loss_mask"], *value_tables).to(
-        batch["loss_mask"].dtype)
+    starts = value_start_mask(batch["input_ids"], batch["loss_mask"], *value_tables)
+    if quotes is not None:
+        starts = whole_values(batch["input_ids"], starts, quotes) & batch["loss_mask"].bool()
+    batch["loss_mask"] = starts.to(batch["loss_mask"].dtype)
     batch["copy_rows"] = torch.ones(rows, dtype=torch.bool)
     return batch
+
+
+def action_cuts(examples: list[dict[str, torch.Tensor]], tool_call_id: int) -> list[tuple[int, int, int]]:
+    """Every expert turn that calls a tool, but each episode's first (the identity lookup, which
+    :func:`episode_openings` serves): ``(example, start, end)``, the turn's span of expert tokens, for
+    :func:`action_batch`. The lookups of the later calls (an order's item ids, a new address, the
+    payment method the customer named, the tool the request asks for) are a few tokens among a
+    thousand, as the identity lookup's were."""
+    out = []
+    for n, e in enumerate(examples):
+        mask = e["loss_mask"].bool()
+        calls = ((e["input_ids"] == tool_call_id) & mask).nonzero().flatten().tolist()
+        for c in calls[1:]:
+            start, end = c, c
+            while start > 0 and mask[start - 1]:
+                start -= 1
+            while end < len(mask) and mask[end]:
+                end += 1
+            out.append((n, start, end))
+    return out
+
+
+def action_batch(examples: list[dict[str, torch.Tensor]], cuts: list[tuple[int, int, int]], rows: int,
+                 rng: np.random.Generator, pad_id: int, value_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                 groups: list[torch.Tensor] | None = None, quotes: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """As :func:`identity_batch`, for the later tool calls: ``rows`` of ``cuts`` (:func:`action_cuts`)
+    drawn at random, each episode cut after that call's turn, with only the values of that call scored
+    (their first tokens; with ``quotes``, whole)."""
+    if not cuts:
+        raise ValueError("action_batch needs at least one tool call after the first")
+    picked = []
+    for k in rng.integers(0, len(cuts), rows):
+        n, start, end = cuts[int(k)]
+        mask = torch.zeros(end, dtype=examples[n]["loss_mask"].dtype)
+        mask[start:end] = examples[n]["loss_mask"][start:end]
+        picked.append({"input_ids": examples[n]["input_ids"][:end], "loss_mask": mask})
+    return _value_rows(picked, rng, pad_id, value_tables, groups, quotes)
+
+
+def quote_tokens(tokenizer) -> torch.Tensor:
+    """A boolean table over the vocabulary: the tokens whose text holds a double quote (the end of a
+    JSON string value, for :func:`whole_values`)."""
+    return torch.tensor(['"' in t for t in token_texts(tokenizer)], dtype=torch.bool)
+
+
+def whole_values(input_ids: torch.Tensor, starts: torch.Tensor, quotes: torch.Tensor) -> torch.Tensor:
+    """``starts`` (the first token of each value, :func:`value_start_mask`) widened to the whole value:
+    each start and the tokens after it up to, not including, the first that holds a double quote
+    (``quotes``, :func:`quote_tokens`). Boolean, the shape of ``input_ids``."""
+    is_quote = quotes[input_ids.clamp(0, len(quotes) - 1)]
+    inside = starts.clone()
+    for col in range(1, input_ids.shape[-1]):  # openings are short: a loop over the columns is cheap
+        inside[..., col] = (inside[..., col - 1] & ~is_quote[..., col]) | starts[..., col]
+    return inside
 
 
 def length_batches(lengths: list[int], batch_tokens: int, rng: np.random.Generator) -> list[list[int]]:
@@ -276,6 +342,9 @@ def recall_drills(rows: int, length: int, token_ids: torch.Tensor, fillers: torc
     token just before the value differs, so plain induction (match the current token,
     :func:`copy_drills`) does not find it: the model must match the key two tokens back, which the
     default layout drills. The e-mail (``email is lucia...``: three tokens) needs ``fact_fillers=(1, 3)``.
+    With no fillers at all (``fact_fillers=ask_fillers=(0, 0)``) a drill is plain induction from one
+    token, ``key value`` asked again after a different token: the zip code's last two digits after its
+    first three, which the copy drills (whole rows repeated, a long match) do not teach.
     Returns ``(input_ids, loss_mask)``."""
     ids = torch.empty((rows, length), dtype=torch.long)
     mask = torch.zeros((rows, length), dtype=torch.float32)
@@ -383,6 +452,15 @@ def number_swap_group(tokenizer) -> torch.Tensor:
     the training users' orders are a key a tiny model can use to remember their zip codes, e-mails and
     items instead of reading them from the conversation."""
     ids = [i for i, t in enumerate(token_texts(tokenizer)) if len(t) == 3 and t.isdigit()]
+    return torch.tensor(ids, dtype=torch.long).reshape(-1, 1)
+
+
+def digit_pair_group(tokenizer) -> torch.Tensor:
+    """The tokens of exactly two digits, as one :func:`swap_names` group (``(k, 1)``): the last group of
+    a zip code (``921`` ``81``), of cents and of some ids. :func:`number_swap_group` leaves them as they
+    were, so that without this group a training user's zip code keeps its last two digits, a key to
+    remembering them instead of copying them from the customer's sentence."""
+    ids = [i for i, t in enumerate(token_texts(tokenizer)) if len(t) == 2 and t.isdigit()]
     return torch.tensor(ids, dtype=torch.long).reshape(-1, 1)
 
 

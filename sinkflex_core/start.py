@@ -23,6 +23,7 @@ Regenerate it (about an hour and a half on 2 busy cores; each finished part is r
 
     python -m sinkflex_core.start                    # -> data/retail-tiny-start
     python -m sinkflex_core.start --sink-stage       # ending with a stage on the preset's sink attention
+    python -m sinkflex_core.start --lookup-stage     # a stage that drills the tool calls' lookups
     python -m sinkflex_core.start --card-only        # rewrite README.md from the files in the folder
 """
 
@@ -165,9 +166,10 @@ def sink_stage_config(base_dir: str | Path, out_dir: str | Path, **overrides):
 
 def build(out: str | Path | None = None, work_dir: str | Path = "runs/start", threads: int = 0,
           test_samples: int = 8, screen_samples: int = 4, progress: bool = True,
-          identity_stage: bool = False, sink_stage: bool = False) -> Path:
+          identity_stage: bool = False, sink_stage: bool = False, lookup_stage: bool = False) -> Path:
     """Train (or reuse) the SFT in ``work_dir`` (and, with ``identity_stage``, its second stage,
-    :data:`sinkflex_core.sft.IDENTITY_STAGE`; with ``sink_stage``, a last stage on the ``tiny-cpu``
+    :data:`sinkflex_core.sft.IDENTITY_STAGE`; with ``lookup_stage``, a stage that drills every lookup of
+    a tool call's values, :data:`sinkflex_core.sft.LOOKUP_STAGE`; with ``sink_stage``, a last stage on the ``tiny-cpu``
     preset's sink attention, :func:`sink_stage_config`, whose sink counts are estimated on the stage before),
     copy the policy to ``out`` (default: :func:`start_dir`), estimate its sinks (a sink stage keeps the
     counts it trained with), measure it (``screen_samples`` 0: not the training tasks) and write its
@@ -181,6 +183,9 @@ def build(out: str | Path | None = None, work_dir: str | Path = "runs/start", th
     if identity_stage:
         stages.append(sft.train_or_reuse(sft.identity_stage(stages[0], work / "sft_identity", threads=threads,
                                                             progress=progress)))
+    if lookup_stage:
+        stages.append(sft.train_or_reuse(sft.lookup_stage(stages[-1], work / "sft_lookup", threads=threads,
+                                                          progress=progress)))
     if sink_stage:
         from . import attention
 
@@ -297,6 +302,9 @@ def card_text(out: Path) -> str:
               "The two numbers are of different models on different task sets, not comparable as a percentage.",
               "",
               "## Regenerate", "", "```", "python -m sinkflex_core.start"
+              + "".join(f" --{flag}" for flag, stage in (("identity-stage", "sft_identity"),
+                                                          ("lookup-stage", "sft_lookup"))
+                        if any(c.name.endswith(f"_{stage}_config.json") for c in cfgs))
               + (" --sink-stage" if saved_attention is not None else ""), "```", "",
               "It generates the oracle's expert episodes and runs the copy warm-up (together about a quarter "
               "of an hour on 2 cores), the SFT and the measurements above, whose minutes each line gives "
@@ -361,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--test-samples", type=int, default=8, help="episodes per test task")
     p.add_argument("--screen-samples", type=int, default=4, help="episodes per training task in the screen (0: none)")
     p.add_argument("--identity-stage", action="store_true", help="continue the SFT with its identity stage")
+    p.add_argument("--lookup-stage", action="store_true",
+                   help="continue the SFT with the stage that drills every lookup of a tool call's values")
     p.add_argument("--sink-stage", action="store_true",
                    help=f"end the SFT with {SINK_STAGE_STEPS} steps on the tiny-cpu preset's sink attention")
     p.add_argument("--card-only", action="store_true", help="only rewrite README.md from the folder's files")
@@ -374,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     out = build(args.out, args.work_dir, args.threads, args.test_samples, args.screen_samples,
-                progress=not args.no_progress, identity_stage=args.identity_stage, sink_stage=args.sink_stage)
+                progress=not args.no_progress, identity_stage=args.identity_stage, sink_stage=args.sink_stage,
+                lookup_stage=args.lookup_stage)
     print(out)
     return 0
 

@@ -189,7 +189,9 @@ def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path, caps
     extra = sft.train_sft(sft.SFTConfig(**{**cfg.__dict__, "init_from": str(tmp_path / "sft"), "max_steps": 2,
                                            "eval_every": 2, "out_dir": str(tmp_path / "sft3"), "opening_copies": 2,
                                            "value_loss_weight": 10.0, "swap_numbers": 1.0, "recall_warmup_steps": 2,
-                                           "recall_fraction": 0.2, "identity_warmup_steps": 2, "identity_rows": 2}))
+                                           "recall_fraction": 0.2, "identity_warmup_steps": 2, "identity_rows": 2,
+                                           "identity_values": "whole", "swap_digit_pairs": True, "action_rows": 2,
+                                           "recall_fact_fillers": 0}))
     assert extra.steps == 2 and np.isfinite(extra.history[-1]["loss"])
     assert np.isfinite(extra.history[-1]["identity_loss"]) and "identity warm-up 2 steps" in capsys.readouterr().err
     # the two-stage start: the identity stage continues a saved run; a finished run with the same config is reused
@@ -198,6 +200,10 @@ def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path, caps
         (str(tmp_path / "sft"), str(tmp_path / "sft4"), 64, 512)
     assert (stage.identity_warmup_steps, stage.identity_rows, stage.max_steps) == \
         (sft.IDENTITY_STAGE["identity_warmup_steps"], sft.IDENTITY_STAGE["identity_rows"], 3)
+    lookup = sft.lookup_stage(tmp_path / "sft", tmp_path / "sft5", max_steps=3)
+    assert (lookup.init_from, lookup.out_dir, lookup.hidden_size, lookup.max_steps) == \
+        (str(tmp_path / "sft"), str(tmp_path / "sft5"), 64, 3)
+    assert all(getattr(lookup, k) == v for k, v in sft.LOOKUP_STAGE.items() if k != "max_steps")
     stamp = (tmp_path / "sft" / "model.safetensors").stat().st_mtime_ns
     assert sft.train_or_reuse(sft.SFTConfig(**{**cfg.__dict__, "threads": 2, "progress": True})) == tmp_path / "sft"
     assert "reusing" in capsys.readouterr().err and (tmp_path / "sft" / "model.safetensors").stat().st_mtime_ns == stamp
@@ -326,8 +332,9 @@ def test_recall_drills_ask_each_key_again_after_other_fillers_and_score_its_valu
                 k -= 1
             v = int((ids[row, :k] == ids[row, k]).nonzero().flatten()[-1]) + 1
             assert torch.isin(ids[row, v:v + 3], fillers).all() and not torch.isin(ids[row, v + 3], fillers)
-    with pytest.raises(train.ConfigError, match="recall_fact_fillers"):
-        sft.SFTConfig(recall_fact_fillers=0).validate()
+    for bad in (-1, 5):
+        with pytest.raises(train.ConfigError, match="recall_fact_fillers"):
+            sft.SFTConfig(recall_fact_fillers=bad).validate()
     # In a batch the drill rows are scored like copy drills: their values only.
     examples = [{"input_ids": torch.arange(3, 43), "loss_mask": torch.ones(40, dtype=torch.long)}]
     out = sft.add_drill_rows(sft.collate(examples, pad_id=0), *sft.recall_drills(1, 40, tokens, fillers,
@@ -397,6 +404,35 @@ def test_swap_names_renames_people_and_places_the_same_way_everywhere(tokenizer)
         sft.SFTConfig(swap_names=1.5).validate()
 
 
+def test_recall_drills_without_separators_are_plain_induction_from_one_token():
+    """``recall_fact_fillers=0``: `key value` stated, then asked again right after a different token
+    (the zip code's last digits after its first three)."""
+    layout = sft.recall_layout(sft.SFTConfig(recall_fact_fillers=0))
+    assert layout == {"fact_fillers": (0, 0), "ask_fillers": (0, 0)}
+    assert sft.recall_layout(sft.SFTConfig(recall_fact_fillers=3)) == {"fact_fillers": (1, 3)}
+    tokens, fillers = torch.arange(10, 300), torch.arange(300, 310)
+    ids, mask = sft.recall_drills(6, 160, tokens, fillers, np.random.default_rng(3), **layout)
+    assert not torch.isin(ids[mask.bool()], fillers).any()
+    asked = differ = 0
+    for row in range(6):
+        scored = mask[row].nonzero().flatten().tolist()
+        starts = [p for p in scored if mask[row, p - 1] == 0]
+        assert starts
+        for p in starts:
+            end = p
+            while end < 160 and mask[row, end] == 1:
+                end += 1
+            key = ids[row, p - 1]  # the key right before the value: no separator
+            assert not torch.isin(key, fillers)
+            earlier = (ids[row, :p - 1] == key).nonzero().flatten()
+            assert len(earlier) >= 1
+            v = int(earlier[-1]) + 1  # the fact: the value right after the key, as asked
+            assert torch.equal(ids[row, v:v + end - p], ids[row, p:end]), (row, p)
+            differ += int(ids[row, p - 2] != ids[row, v - 2])
+            asked += 1
+    assert asked >= 12 and differ >= 0.8 * asked  # mostly another token before the key: a one-token match
+
+
 def test_episode_openings_end_with_the_first_tool_call(tokenizer):
     cfg = sft.SFTConfig(**{**SMALL, "max_total_tokens": 1 << 16})
     examples = sft.expert_examples(tokenizer, cfg, list(range(6)))
@@ -449,10 +485,66 @@ def test_identity_batch_scores_the_tool_name_and_the_values_read_from_the_custom
                for ids, att in zip(plain["input_ids"], plain["attention_mask"]))
     assert sum(tuple(ids[:int(att.sum())].tolist()) not in originals
                for ids, att in zip(batch["input_ids"], batch["attention_mask"])) >= 12
+    # with the quote table every token of each value is scored: the tool's whole name, the whole
+    # e-mail, both names and the whole zip code, exactly the call's arguments
+    whole = sft.identity_batch(openings, 16, np.random.default_rng(0), tokenizer.pad_token_id, tables, groups,
+                               sft.quote_tokens(tokenizer))
+    assert torch.equal(whole["input_ids"], batch["input_ids"])
+    assert (whole["loss_mask"] >= batch["loss_mask"]).all() and whole["loss_mask"].sum() > batch["loss_mask"].sum()
+    for ids, att, mask in zip(whole["input_ids"], whole["attention_mask"], whole["loss_mask"]):
+        n = int(att.sum())
+        call = json.loads(tokenizer.decode(ids[:n]).rsplit("<tool_call>", 1)[1].split("</tool_call>")[0])
+        scored = mask[:n].nonzero().flatten().tolist()
+        spans, current = [], [scored[0]]
+        for p in scored[1:]:
+            if p == current[-1] + 1:
+                current.append(p)
+            else:
+                spans.append(current)
+                current = [p]
+        spans.append(current)
+        assert [tokenizer.decode(ids[sp]) for sp in spans] == [call["name"], *call["arguments"].values()]
     with pytest.raises(ValueError, match="opening"):
         sft.identity_batch([], 2, np.random.default_rng(0), 0, tables)
+    with pytest.raises(sft.ConfigError, match="identity_values"):
+        sft.SFTConfig(identity_values="all").validate()
     with pytest.raises(sft.ConfigError, match="identity_rows"):
         sft.SFTConfig(identity_rows=-1).validate()
+
+
+def test_action_batch_scores_the_values_of_one_later_tool_call(tokenizer):
+    cfg = sft.SFTConfig(**{**SMALL, "max_total_tokens": 1 << 16})
+    examples = sft.expert_examples(tokenizer, cfg, list(range(12)))
+    call_id = tokenizer.convert_tokens_to_ids("<tool_call>")
+    cuts = sft.action_cuts(examples, call_id)
+    calls = sum(int(((e["input_ids"] == call_id) & e["loss_mask"].bool()).sum()) for e in examples)
+    assert len(cuts) == calls - len(examples)  # every tool call but each episode's first
+    for n, start, end in cuts:
+        turn = examples[n]["input_ids"][start:end]
+        assert examples[n]["loss_mask"][start:end].all() and call_id in turn.tolist()
+        assert start == 0 or examples[n]["loss_mask"][start - 1] == 0  # the whole turn
+    tables, quotes = sft.value_start_tokens(tokenizer), sft.quote_tokens(tokenizer)
+    batch = sft.action_batch(examples, cuts, 16, np.random.default_rng(0), tokenizer.pad_token_id, tables,
+                             quotes=quotes)
+    assert batch["copy_rows"].all() and batch["input_ids"].shape[0] == 16
+    names = set()
+    for ids, att, mask in zip(batch["input_ids"], batch["attention_mask"], batch["loss_mask"]):
+        n = int(att.sum())
+        text = tokenizer.decode(ids[:n])
+        assert text.endswith("</tool_call><|im_end|>")  # cut right after the call's turn
+        call = json.loads(text.rsplit("<tool_call>", 1)[1].split("</tool_call>")[0])
+        scored = mask[:n].nonzero().flatten()
+        last_turn = int((ids[:n] == tokenizer.convert_tokens_to_ids("<|im_start|>")).nonzero().flatten()[-1])
+        assert int(scored.min()) > last_turn  # nothing of the earlier turns, their calls included
+        values = [v[0] if isinstance(v, list) else v for v in call["arguments"].values()]
+        want = call["name"] + "".join(v.removeprefix("#W") for v in values)  # an order id's W is the same in all
+        assert tokenizer.decode(ids[scored]).replace(" ", "") == want.replace(" ", "")
+        names.add(call["name"])
+    assert len(names) >= 3
+    with pytest.raises(ValueError, match="tool call"):
+        sft.action_batch(examples, [], 2, np.random.default_rng(0), 0, tables)
+    with pytest.raises(sft.ConfigError, match="action_rows"):
+        sft.SFTConfig(action_rows=-1).validate()
 
 
 def test_swap_numbers_renumbers_every_id_and_zip_the_same_way_everywhere(tokenizer):
@@ -481,6 +573,30 @@ def test_swap_numbers_renumbers_every_id_and_zip_the_same_way_everywhere(tokeniz
         assert len(set(zips)) >= 1 and all(z in after.split("<tool_call>")[0] or '"zip":"' + z in after for z in zips)
     with pytest.raises(sft.ConfigError, match="swap_numbers"):
         sft.SFTConfig(swap_numbers=-0.1).validate()
+
+
+def test_swap_digit_pairs_renumbers_a_zip_codes_last_digits_the_same_way_everywhere(tokenizer):
+    import re
+
+    cfg = sft.SFTConfig(**{**SMALL, "max_total_tokens": 1 << 16})
+    examples = sft.expert_examples(tokenizer, cfg, list(range(8)))
+    pairs = sft.digit_pair_group(tokenizer)
+    assert pairs.shape == (100, 1)  # 00 ... 99, each one token
+    groups = [sft.number_swap_group(tokenizer), pairs]
+    rng = np.random.default_rng(1)
+    changed = kept = 0
+    for ex in examples:
+        before = tokenizer.decode(ex["input_ids"])
+        after = tokenizer.decode(sft.swap_names(ex, groups, rng)["input_ids"])
+        assert re.sub(r"\d", "0", before) == re.sub(r"\d", "0", after)  # only digits change, lengths kept
+        zips_before = re.findall(r"zip (\d{5})", before) + re.findall(r'"zip": ?"(\d{5})"', before)
+        zips_after = re.findall(r"zip (\d{5})", after) + re.findall(r'"zip": ?"(\d{5})"', after)
+        mapping = {}
+        for a, b in zip(zips_before, zips_after):
+            assert mapping.setdefault(a, b) == b  # the customer's zip is the call's and the record's
+        changed += sum(a[3:] != b[3:] for a, b in mapping.items())
+        kept += len(mapping)
+    assert kept >= 2 and changed >= kept // 2  # the last two digits are renumbered too
 
 
 # -- the attention of the SFT: the start can learn under the sink attention GRPO will use --

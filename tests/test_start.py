@@ -49,6 +49,20 @@ def test_shipped_card_states_the_measured_rewards_and_the_weights_digest():
     assert start.card_text(SHIPPED) == card  # the card is what --card-only writes from these files
 
 
+@needs_shipped
+def test_the_card_names_the_stages_that_made_the_start(tmp_path):
+    import shutil
+
+    folder = tmp_path / "start"
+    shutil.copytree(SHIPPED, folder)
+    assert "\npython -m sinkflex_core.start\n" in start.card_text(folder)  # one stage: no flag
+    recipe = folder / "recipe"
+    for part in ("config.json", "history.csv"):
+        shutil.copy2(recipe / f"stage1_sft_{part}", recipe / f"stage2_sft_lookup_{part}")
+    card = start.card_text(folder)
+    assert "\npython -m sinkflex_core.start --lookup-stage\n" in card and "`stage2_sft_lookup`" in card
+
+
 @pytest.fixture(scope="module")
 def random_start(tmp_path_factory):
     """A random tiny policy saved as a start folder would be (no SFT: the measurement is under test)."""
