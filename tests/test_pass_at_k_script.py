@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pandas as pd
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 
 from sinkflex_core import train
 from sinkflex_core.envs.retail import REWARD_VERSION
@@ -17,11 +15,7 @@ from sinkflex_core.rollout import AgentBackend
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location(
-        "pass_at_k_script", Path(__file__).resolve().parents[1] / "benchmarks" / "pass_at_k.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("pass_at_k")
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,9 @@ teacher-forced accuracy on the values of those calls."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 
 from sinkflex_core import sft
 from sinkflex_core.envs.base import format_tool_call
@@ -17,11 +15,7 @@ from sinkflex_core.models import build_model, get_tokenizer, tiny_qwen2_config
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location(
-        "where_episodes_fail", Path(__file__).resolve().parents[1] / "benchmarks" / "where_episodes_fail.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("where_episodes_fail")
 
 
 @pytest.fixture(scope="module")
