@@ -63,6 +63,34 @@ def test_the_card_names_the_stages_that_made_the_start(tmp_path):
     assert "\npython -m sinkflex_core.start --lookup-stage\n" in card and "`stage2_sft_lookup`" in card
 
 
+def test_the_lookup_stage_runs_its_rounds_each_on_the_one_before(tmp_path, monkeypatch):
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from sinkflex_core import sft
+
+    trained = []
+
+    def fake_train(cfg):  # no training: records each stage's config and saves it, as train_or_reuse would
+        out = Path(cfg.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sft_config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+        trained.append(cfg)
+        return out
+
+    monkeypatch.setattr(sft, "train_or_reuse", fake_train)
+    for name in ("_export", "estimate_sinks", "measure", "write_card"):
+        monkeypatch.setattr(start, name, lambda *a, **k: None)
+    start.build(tmp_path / "start", tmp_path / "work", threads=1, progress=False, lookup_stage=True)
+    assert [c.out_dir for c in trained] == [str(tmp_path / "work" / d) for d in ("sft", "sft_lookup", "sft_lookup2")]
+    assert [c.init_from for c in trained[1:]] == [trained[0].out_dir, trained[1].out_dir]
+    assert trained[1].recall_warmup_steps == sft.LOOKUP_STAGE["recall_warmup_steps"] > 0
+    assert trained[2].recall_warmup_steps == trained[2].identity_warmup_steps == 0
+    assert all(c.recall_fact_fillers == 0 and c.max_steps == sft.LOOKUP_STAGE["max_steps"] for c in trained[1:])
+    assert len(trained) == 1 + start.LOOKUP_ROUNDS
+
+
 @pytest.fixture(scope="module")
 def random_start(tmp_path_factory):
     """A random tiny policy saved as a start folder would be (no SFT: the measurement is under test)."""
