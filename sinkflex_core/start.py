@@ -174,8 +174,8 @@ def build(out: str | Path | None = None, work_dir: str | Path = "runs/start", th
           test_samples: int = 8, screen_samples: int = 4, progress: bool = True,
           identity_stage: bool = False, sink_stage: bool = False, lookup_stage: bool = False) -> Path:
     """Train (or reuse) the SFT in ``work_dir`` (and, with ``identity_stage``, its second stage,
-    :data:`sinkflex_core.sft.IDENTITY_STAGE`; with ``lookup_stage``, a stage that drills every lookup of
-    a tool call's values, :data:`sinkflex_core.sft.LOOKUP_STAGE`; with ``sink_stage``, a last stage on the ``tiny-cpu``
+    :data:`sinkflex_core.sft.IDENTITY_STAGE`; with ``lookup_stage``, :data:`LOOKUP_ROUNDS` rounds of the
+    stage that drills every lookup of a tool call's values, :data:`sinkflex_core.sft.LOOKUP_STAGE`; with ``sink_stage``, a last stage on the ``tiny-cpu``
     preset's sink attention, :func:`sink_stage_config`, whose sink counts are estimated on the stage before),
     copy the policy to ``out`` (default: :func:`start_dir`), estimate its sinks (a sink stage keeps the
     counts it trained with), measure it (``screen_samples`` 0: not the training tasks) and write its
