@@ -71,7 +71,7 @@ SHAPES: dict[str, Shape] = {
     # The tiny policy as sinkflex_core.sft builds it by default (head dimension 32, FFN 3x hidden, the
     # project's 3,072-id tokenizer): the model the tiny-cpu run trains.
     "tiny-policy": Shape("tiny-policy", hidden=128, layers=4, heads=4, kv_heads=2, ffn=384, vocab=3072,
-                         chunk_size=256, slice_tokens=512, window=256),
+                         chunk_size=256, slice_tokens=512, window=768),
     # Smaller GPU shape for full fine-tuning (weights + grads + AdamW states fit under 80 GiB).
     "qwen25-1.5b": Shape("qwen25-1.5b", hidden=1536, layers=28, heads=12, kv_heads=2, ffn=8960, vocab=151936,
                          chunk_size=2048, slice_tokens=8192, window=4096),

@@ -37,7 +37,7 @@ def _counts(model) -> list[int]:
 
 def test_the_tiny_cpu_preset_trains_with_sink_attention():
     cfg = train.resolve_config("tiny-cpu")
-    assert (cfg.attention, cfg.n_sink, cfg.window, cfg.learn_sinks, cfg.layer_sinks) == ("sinkflex", 4, 256, True,
+    assert (cfg.attention, cfg.n_sink, cfg.window, cfg.learn_sinks, cfg.layer_sinks) == ("sinkflex", 4, 768, True,
                                                                                          "auto")
     assert cfg.window < cfg.max_total_tokens  # the window is shorter than the episodes: it matters
     assert train.resolve_config("tiny-cpu", {"layer_sinks": "some/dir"}).layer_sinks == "some/dir"
