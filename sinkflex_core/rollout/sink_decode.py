@@ -17,14 +17,18 @@ cheap as decoding with SDPA, computing the same attention as training (within fl
 
 Measured with ``python benchmarks/bench_rollout.py --policy data/retail-tiny-start --runs
 sinkflex-fast,sdpa-fast,sdpa-stock --threads 2`` (the rollouts of one GRPO step of the tiny-cpu preset:
-8 training tasks x 8 episodes, up to 2,048 tokens each; the shipped start; 2 threads on 2 idle cores,
-load average 0.5 at the start): sink attention on this path 28.8 s (22,835 generated tokens, 818 tokens
-an episode), stock attention on the fast path 51.3 s (32,043 tokens, 1,262 an episode), stock attention
-on transformers' stock cache, the rollout path before the fast path, 468.0 s (32,614 tokens): 16x less
-time than that path, 11x more generated tokens a second (793 against 70). Earlier, on a briefly trained
-policy with one thread on cores shared with other jobs (load average ~6): sink attention 1,804 s on the
-stock cache against 99 s on this path; 58 of the 64 stock and fast trajectories identical (the others
-drew a token at a boundary that float rounding moves).
+8 training tasks x 8 episodes, up to 2,048 tokens each; the shipped start with the lookup stage and the
+preset's 768-key window; 2 threads on 2 idle cores, load average 0.3 at the start): sink attention on
+this path 31.3 s (24,196 generated tokens, 1,279 tokens an episode), stock attention on the fast path
+19.6 s (25,369 tokens), stock attention on transformers' stock cache, the rollout path before the fast
+path, 167.0 s (25,329 tokens): 5.3x less time than that path. A window of 768 keys is most of these
+episodes, so the bounded cache saves little here, and a token took longer with the sink mask than with
+SDPA; with
+the 256-key window the preset had before, the same command on the start shipped then gave 28.8 s
+against 51.3 s for stock attention on the fast path and 468.0 s on the stock cache. Earlier, on a
+briefly trained policy with one thread on cores shared with other jobs (load average ~6): sink attention
+1,804 s on the stock cache against 99 s on this path; 58 of the 64 stock and fast trajectories identical
+(the others drew a token at a boundary that float rounding moves).
 
 The attention of one query ``i`` over keys ``j`` (``count`` = running count of real keys in the row):
 visible iff ``j`` is real and (``count[j] <= n_sink`` or ``count[i] - count[j] < W``); out =

@@ -303,8 +303,9 @@ PAPER_8XH100 = dict(
 # with the faster rollouts of the same commit gave a 12-minute budget 14-16 steps instead of 6-8 (the
 # budget is now 10 minutes a seed).
 # Their KL to the reference is not computed either (it still applies to every trajectory updated on).
-# The recorded reproduction also passes task_screen (screen_or_reuse: the 90 of 600 training tasks the
-# start solved sometimes); that file belongs to one start's weights, so it is not part of the preset.
+# The recorded reproduction also passes task_screen (the shipped start's train_screen.csv: the 74 of
+# 600 training tasks it solved sometimes); that file belongs to one start's weights, so it is not part
+# of the preset.
 # SINKFLEX is in the loop: 4 sink tokens and a 768-key window on episodes of ~800 tokens (the oracle's
 # median on the test tasks; 2,048 at most), the learned zero-value sink, and per-layer sink counts read
 # from (or estimated on) the start policy. The window is as short as the shipped start allows: played with
