@@ -76,30 +76,55 @@ def chosen_row(hist: pd.DataFrame) -> pd.Series:
     return hist[hist["best"]].iloc[-1] if "best" in hist and hist["best"].any() else hist.iloc[-1]
 
 
-def stage_histories(stages: list[Path]) -> list[tuple[Path, pd.DataFrame]]:
-    """Each stage's folder and ``sft_history.csv`` (stages without evaluations left out), the history
-    with ``run`` (the folder's name) and ``total_step``: the stage's steps counted on from the step
-    whose weights the stage before it saved (its best evaluation; each stage starts from those weights)."""
+def stage_histories(stages: list[Path]) -> list[tuple[Path, pd.DataFrame, dict]]:
+    """Each stage's folder, ``sft_history.csv`` and saved config (stages without evaluations left out),
+    the history with ``run`` (the folder's name) and ``total_step``: the stage's steps counted on from the
+    step whose weights the stage before it saved (its best evaluation; each stage starts from those weights)."""
+    return _count_on([(folder, folder.name, pd.read_csv(folder / "sft_history.csv"), sft.saved_config(folder))
+                      for folder in stages])
+
+
+def recipe_histories(sft_dir: Path) -> list[tuple[Path, pd.DataFrame, dict]]:
+    """As :func:`stage_histories`, from the ``recipe/`` folder a shipped start carries
+    (``stage{n}_{name}_config.json`` and ``stage{n}_{name}_history.csv``, written by
+    :mod:`sinkflex_core.start`): the stages' own run folders need not exist. The folder of every part is
+    ``sft_dir`` (the stages share the model's shape). Empty when ``sft_dir`` has no recipe."""
+    stages = []
+    for cfg_file in (sft_dir / "recipe").glob("stage*_config.json"):
+        number, _, name = cfg_file.name[len("stage"):-len("_config.json")].partition("_")
+        hist_file = cfg_file.with_name(f"stage{number}_{name}_history.csv")
+        if number.isdigit() and hist_file.is_file():
+            stages.append((int(number), name, pd.read_csv(hist_file), json.loads(cfg_file.read_text())))
+    return _count_on([(sft_dir, name, hist, cfg) for _, name, hist, cfg in sorted(stages, key=lambda t: t[0])])
+
+
+def start_histories(sft_dir: Path) -> list[tuple[Path, pd.DataFrame, dict]]:
+    """The SFT stages behind the start in ``sft_dir``: its ``recipe/`` when it ships one, else the run
+    folders its ``init_from`` chain names (:func:`sft_stages`)."""
+    return recipe_histories(sft_dir) or stage_histories(
+        [p for p in sft_stages(sft_dir) if (p / "sft_history.csv").is_file()])
+
+
+def _count_on(stages: list[tuple[Path, str, pd.DataFrame, dict]]) -> list[tuple[Path, pd.DataFrame, dict]]:
     parts, offset = [], 0
-    for folder in stages:
-        hist = pd.read_csv(folder / "sft_history.csv")
+    for folder, name, hist, cfg in stages:
         if len(hist):
-            parts.append((folder, hist.assign(run=folder.name, total_step=hist["step"] + offset)))
+            parts.append((folder, hist.assign(run=name, total_step=hist["step"] + offset), cfg))
             offset += int(chosen_row(hist)["step"])
     return parts
 
 
-def write_sft_table(parts: list[tuple[Path, pd.DataFrame]]) -> pd.DataFrame:
+def write_sft_table(parts: list[tuple[Path, pd.DataFrame, dict]]) -> pd.DataFrame:
     """``data/reward_curve_sft.csv``: every evaluation of each SFT stage (``parts``, from
-    :func:`stage_histories`; ``step`` counts within the stage), with its settings and provenance.
+    :func:`start_histories`; ``step`` counts within the stage), with its settings and provenance.
     Returns the table."""
     from transformers import AutoModelForCausalLM
 
     from sinkflex_core.provenance import provenance
 
     tables = []
-    for folder, hist in parts:
-        cfg = {**dataclasses.asdict(sft.SFTConfig()), **sft.saved_config(folder)}  # fields added since: defaults
+    for folder, hist, saved in parts:
+        cfg = {**dataclasses.asdict(sft.SFTConfig()), **saved}  # fields added since: defaults
         model = AutoModelForCausalLM.from_pretrained(folder)
         mcfg, n_params = model.config, sum(p.numel() for p in model.parameters())
         tables.append(hist.assign(
@@ -122,14 +147,14 @@ def write_sft_table(parts: list[tuple[Path, pd.DataFrame]]) -> pd.DataFrame:
     return table
 
 
-def sft_summary(parts: list[tuple[Path, pd.DataFrame]]) -> dict:
-    """The columns every GRPO row carries about its start (``parts`` from :func:`stage_histories`): the
+def sft_summary(parts: list[tuple[Path, pd.DataFrame, dict]]) -> dict:
+    """The columns every GRPO row carries about its start (``parts`` from :func:`start_histories`): the
     saved step of the last stage in ``total_step``, its validation reward, and the minutes of all stages."""
     if not parts:
         return {}
     chosen = chosen_row(parts[-1][1])
     return {"sft_steps": int(chosen["total_step"]), "sft_val_reward": float(chosen["val_reward"]),
-            "sft_minutes": round(sum(float(h["elapsed_s"].iloc[-1]) for _, h in parts) / 60, 2)}
+            "sft_minutes": round(sum(float(h["elapsed_s"].iloc[-1]) for _, h, _ in parts) / 60, 2)}
 
 
 def grpo_config(sft_dir: Path, seed: int, out_dir: Path, smoke: bool, threads: int, overrides: dict):
@@ -302,8 +327,7 @@ def record(out_root: Path, sft_dir: Path, attentions: list[str], seeds: list[int
     ``reward_curve.csv`` (every step of every run: training reward, update metrics, the evaluations
     logged while training) and ``reward_curve_test.csv`` (each run's start and final policy on the
     held-out tasks, one row per task)."""
-    stages = [p for p in sft_stages(sft_dir) if (p / "sft_history.csv").is_file()]
-    parts = stage_histories(stages)
+    parts = start_histories(sft_dir)
     sft_extra = sft_summary(parts)
     if parts and not smoke:
         write_sft_table(parts)

@@ -228,6 +228,15 @@ def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path, caps
     assert list(table["init_from"].fillna("")) == ["", "", "sft"] and (tmp_path / "reward_curve_sft.csv").is_file()
     summary = bench.sft_summary(parts)
     assert (summary["sft_steps"], summary["sft_val_reward"]) == (17, more.history[-1]["val_reward"])
+    # a shipped start keeps its stages in recipe/ (its own folder has no history): the same table from there
+    from sinkflex_core import start
+
+    start._export(tmp_path / "sft2", tmp_path / "shipped", stages)
+    shipped = bench.start_histories(tmp_path / "shipped")
+    assert [list(h["run"]) for _, h, _ in shipped] == [["sft", "sft"], ["sft2"]]
+    assert [list(h["total_step"]) for _, h, _ in shipped] == [[15, 30], [17]]
+    assert bench.sft_summary(shipped) == summary
+    assert list(bench.write_sft_table(shipped)["init_from"].fillna("")) == ["", "", "sft"]
 
 
 def test_expert_token_accuracy_counts_numbers_and_scores_a_model(tokenizer):
