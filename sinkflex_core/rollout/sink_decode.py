@@ -23,12 +23,11 @@ this path 31.3 s (24,196 generated tokens, 1,279 tokens an episode), stock atten
 19.6 s (25,369 tokens), stock attention on transformers' stock cache, the rollout path before the fast
 path, 167.0 s (25,329 tokens): 5.3x less time than that path. A window of 768 keys is most of these
 episodes, so the bounded cache saves little here, and a token took longer with the sink mask than with
-SDPA; with
-the 256-key window the preset had before, the same command on the start shipped then gave 28.8 s
-against 51.3 s for stock attention on the fast path and 468.0 s on the stock cache. Earlier, on a
-briefly trained policy with one thread on cores shared with other jobs (load average ~6): sink attention
-1,804 s on the stock cache against 99 s on this path; 58 of the 64 stock and fast trajectories identical
-(the others drew a token at a boundary that float rounding moves).
+SDPA. With the 256-key window the preset had before, the same command on the start shipped then gave
+28.8 s against 51.3 s for stock attention on the fast path and 468.0 s on the stock cache. Earlier, on
+a briefly trained policy with one thread on cores shared with other jobs (load average ~6): sink
+attention 1,804 s on the stock cache against 99 s on this path; 58 of the 64 stock and fast
+trajectories identical (the others drew a token at a boundary that float rounding moves).
 
 The attention of one query ``i`` over keys ``j`` (``count`` = running count of real keys in the row):
 visible iff ``j`` is real and (``count[j] <= n_sink`` or ``count[i] - count[j] < W``); out =
