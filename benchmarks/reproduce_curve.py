@@ -86,16 +86,10 @@ def stage_histories(stages: list[Path]) -> list[tuple[Path, pd.DataFrame, dict]]
 
 def recipe_histories(sft_dir: Path) -> list[tuple[Path, pd.DataFrame, dict]]:
     """As :func:`stage_histories`, from the ``recipe/`` folder a shipped start carries
-    (``stage{n}_{name}_config.json`` and ``stage{n}_{name}_history.csv``, written by
-    :mod:`sinkflex_core.start`): the stages' own run folders need not exist. The folder of every part is
+    (:func:`sinkflex_core.start.recipe_stages`): the stages' own run folders need not exist. The folder of every part is
     ``sft_dir`` (the stages share the model's shape). Empty when ``sft_dir`` has no recipe."""
-    stages = []
-    for cfg_file in (sft_dir / "recipe").glob("stage*_config.json"):
-        number, _, name = cfg_file.name[len("stage"):-len("_config.json")].partition("_")
-        hist_file = cfg_file.with_name(f"stage{number}_{name}_history.csv")
-        if number.isdigit() and hist_file.is_file():
-            stages.append((int(number), name, pd.read_csv(hist_file), json.loads(cfg_file.read_text())))
-    return _count_on([(sft_dir, name, hist, cfg) for _, name, hist, cfg in sorted(stages, key=lambda t: t[0])])
+    return _count_on([(sft_dir, label.partition("_")[2], hist, cfg)
+                      for label, cfg, hist in start.recipe_stages(sft_dir)])
 
 
 def start_histories(sft_dir: Path) -> list[tuple[Path, pd.DataFrame, dict]]:

@@ -119,13 +119,18 @@ def reward_figure(curve=None, test=None, live=None):
             plot_training_reward(g, ax=ax, label=f"{attention}:", color=ATTENTION_COLORS.get(attention))
     if live is not None:
         plot_training_reward(live, ax=ax, label="this run:", color="tab:orange")
-    ax.set_title("GRPO: training reward per step (data/reward_curve.csv)", fontsize=10)
+    screened = curve is not None and "task_screen" in curve and curve["task_screen"].fillna("").astype(bool).any()
+    on = "screened training tasks" if screened else "training tasks"
+    ax.set_title(f"GRPO: training reward per step, {on} (data/reward_curve.csv)", fontsize=10)
     if test is not None:
         plot_test_gains(test, ax=ax1)
+    # The paper's curve is its training reward on all its training tasks: beside a run on screened tasks
+    # (the ones the start solved sometimes) the two compare different task sets, and the legend says so.
     for a in (ax, ax1):
+        note = "; the paper's reward on all its training tasks" if a is ax and screened else ""
         a.axhline(PAPER_REWARD_START, color="grey", ls=":", lw=1, label=f"paper, start: {PAPER_REWARD_START}")
         a.axhline(PAPER_REWARD_END, color="grey", ls="--", lw=1,
-                  label=f"paper, end: {PAPER_REWARD_END} (7B, 8 x H100)")
+                  label=f"paper, end: {PAPER_REWARD_END} (7B, 8 x H100{note})")
     tasks = f"{test['task'].nunique()} tasks x {int(test['tries'].iloc[0])}" if test is not None else "not recorded"
     ax1.set_title(f"held-out test reward ({tasks}; data/reward_curve_test.csv)", fontsize=10)
     ax.legend(fontsize=8, loc="upper left")

@@ -35,8 +35,12 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .paths import repo_root
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 #: Where the shipped start lives, relative to the repository's root.
 START_SUBDIR = Path("data") / "retail-tiny-start"
@@ -93,6 +97,22 @@ def _export(source: Path, out: Path, stages: list[Path]) -> None:
     for n, stage in enumerate(stages, 1):
         shutil.copy2(stage / "sft_config.json", recipe / f"stage{n}_{stage.name}_config.json")
         shutil.copy2(stage / "sft_history.csv", recipe / f"stage{n}_{stage.name}_history.csv")
+
+
+def recipe_stages(out: Path) -> list[tuple[str, dict, pd.DataFrame]]:
+    """The SFT stages a start in ``out`` ships in its ``recipe/`` (written by :func:`_export`), first to
+    last: each stage's label (``stage{n}_{run folder name}``), saved config and history. Empty when
+    ``out`` has no recipe."""
+    import pandas as pd
+
+    stages = []
+    for cfg_file in (out / "recipe").glob("stage*_config.json"):
+        label = cfg_file.name[:-len("_config.json")]
+        number = label[len("stage"):].partition("_")[0]
+        hist_file = cfg_file.with_name(f"{label}_history.csv")
+        if number.isdigit() and hist_file.is_file():
+            stages.append((int(number), label, json.loads(cfg_file.read_text()), pd.read_csv(hist_file)))
+    return [(label, cfg, hist) for _, label, cfg, hist in sorted(stages, key=lambda t: t[0])]
 
 
 def measure(out: Path, test_samples: int = 8, screen_samples: int = 4, progress: bool = True,
@@ -246,8 +266,6 @@ def card_text(out: Path) -> str:
     from . import attention
     from .train import policy_digest
 
-    cfgs = sorted((out / "recipe").glob("stage*_config.json"))
-    hists = sorted((out / "recipe").glob("stage*_history.csv"))
     shape = json.loads((out / "config.json").read_text())
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
@@ -266,15 +284,15 @@ def card_text(out: Path) -> str:
              "- " + _attention_sentence(out) + " " + _sinks_sentence(out) + ".",
              "", "## Recipe and data", ""]
     total_tokens = 0
-    for c, h in zip(cfgs, hists):
-        cfg, hist = json.loads(c.read_text()), pd.read_csv(h)
+    stages = recipe_stages(out)
+    for label, cfg, hist in stages:
         warm = cfg.get("copy_warmup_steps", 0) if not cfg.get("init_from") else 0
         warm += cfg.get("identity_warmup_steps", 0) + cfg.get("recall_warmup_steps", 0)
         steps = int(hist["step"].max())
         tokens = (steps + warm) * cfg["batch_tokens"]
         total_tokens += tokens
         best = hist[hist["best"]].iloc[-1] if "best" in hist and hist["best"].any() else hist.iloc[-1]
-        lines.append(f"- `{c.name.split('_config')[0]}`: {warm:,} warm-up steps and {steps:,} SFT steps of "
+        lines.append(f"- `{label}`: {warm:,} warm-up steps and {steps:,} SFT steps of "
                      f"{cfg['batch_tokens']:,} padded tokens ({tokens / 1e6:.1f}M tokens), lr {cfg['lr']}, "
                      f"{hist['elapsed_s'].max() / 60:.1f} minutes of SFT after the warm-up; the weights of step "
                      f"{int(best['step'])} kept (validation reward {best['val_reward']:.3f}, "
@@ -312,7 +330,7 @@ def card_text(out: Path) -> str:
               "## Regenerate", "", "```", "python -m sinkflex_core.start"
               + "".join(f" --{flag}" for flag, stage in (("identity-stage", "sft_identity"),
                                                           ("lookup-stage", "sft_lookup"))
-                        if any(c.name.endswith(f"_{stage}_config.json") for c in cfgs))
+                        if any(label.endswith(f"_{stage}") for label, _, _ in stages))
               + (" --sink-stage" if saved_attention is not None else ""), "```", "",
               "It generates the oracle's expert episodes and runs the copy warm-up (together about a quarter "
               "of an hour on 2 cores), the SFT and the measurements above, whose minutes each line gives "

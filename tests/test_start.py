@@ -66,6 +66,24 @@ def test_the_card_names_the_stages_that_made_the_start(tmp_path):
     assert "\npython -m sinkflex_core.start --lookup-stage\n" in card and "`stage2_sft_lookup`" in card
 
 
+def test_recipe_stages_come_in_the_order_they_ran(tmp_path):
+    import json
+
+    import pandas as pd
+
+    recipe = tmp_path / "recipe"
+    recipe.mkdir()
+    for n in (10, 2, 1):  # by name, stage10 would come before stage2
+        (recipe / f"stage{n}_run{n}_config.json").write_text(json.dumps({"lr": n}))
+        pd.DataFrame({"step": [n]}).to_csv(recipe / f"stage{n}_run{n}_history.csv", index=False)
+    (recipe / "stage3_orphan_config.json").write_text("{}")  # no history: not a stage
+    stages = start.recipe_stages(tmp_path)
+    assert [label for label, _, _ in stages] == ["stage1_run1", "stage2_run2", "stage10_run10"]
+    assert [cfg["lr"] for _, cfg, _ in stages] == [1, 2, 10]
+    assert [int(hist["step"].iloc[0]) for _, _, hist in stages] == [1, 2, 10]
+    assert start.recipe_stages(tmp_path / "nothing") == []
+
+
 def test_the_lookup_stage_runs_its_rounds_each_on_the_one_before(tmp_path, monkeypatch):
     import dataclasses
     import json

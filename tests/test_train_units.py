@@ -367,6 +367,11 @@ def test_reward_figure_draws_each_attentions_runs_their_test_gains_and_a_run_of_
     labels = [line.get_label() for line in steps_ax.lines]
     assert "sdpa: mean of 2 seeds" in labels and "this run: seed 0" in labels
     assert any(label.startswith("paper, end: 0.44") for label in labels)
+    assert "screened" not in steps_ax.get_title() and not any("all its training tasks" in x for x in labels)
+    screened = train.reward_figure(curve.assign(task_screen="data/retail-tiny-start/train_screen.csv")).axes[0]
+    assert "screened" in screened.get_title()  # its reward is on the tasks the start solved, the paper's on all
+    assert any(x.startswith("paper, end: 0.44") and "all its training tasks" in x
+               for x in (line.get_label() for line in screened.lines))
     legend = [t.get_text() for t in test_ax.get_legend().get_texts()]
     # sinkflex: task 0 goes 0 -> 1, task 1 stays at 1: 0.5 -> 1.0; sdpa: no change
     assert any(t.startswith("sinkflex: 0.500 -> 1.000, gain +0.500") for t in legend)
