@@ -1,6 +1,8 @@
-"""CPU figures for the exact chunked attention path (``sinkflex_core.attention.sink_attention``,
-backend "chunked") against a dense path that builds the full ``L x L`` scores (eager attention):
-forward + backward time and peak memory against length.
+"""CPU figures for the sink attention paths of ``sinkflex_core.attention.sink_attention``: the exact
+chunked path (backend "chunked"), PyTorch's fused kernel under a dense additive mask (backend "fused",
+what training on CPU uses at the tiny preset's lengths), a dense path that builds the full ``L x L``
+scores (eager attention), and stock causal SDPA without sinks or window (a different attention, shown
+as the speed to match): forward + backward time and peak memory against length.
 
 Each case runs in fresh subprocesses: one times it (median of 3 after a warm-up call), one measures its
 peak resident memory (``VmHWM``) above the inputs. With a sliding window the chunked path's memory grows linearly in L (each
@@ -61,9 +63,16 @@ def run_case(mode: str, path: str, n: int, heads: int, head_dim: int, n_sink: in
         return p @ v
 
     def chunked():
-        return A.sink_attention(q, k, v, mask, n_sink=n_sink, window=window, sink_logits=s, chunk_size=chunk)
+        return A.sink_attention(q, k, v, mask, n_sink=n_sink, window=window, sink_logits=s, chunk_size=chunk,
+                                backend="chunked")
 
-    fn = dense if path == "dense" else chunked
+    def fused():
+        return A.sink_attention(q, k, v, mask, n_sink=n_sink, window=window, sink_logits=s, backend="fused")
+
+    def sdpa_causal():
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    fn = {"dense": dense, "chunked": chunked, "fused": fused, "sdpa-causal": sdpa_causal}[path]
 
     def step():
         fn().backward(go)
@@ -109,7 +118,8 @@ def main(argv=None) -> int:
           f"{args.n_sink} sinks + window {window}, zero-value sink; chunk {args.chunk} queries; "
           f"{args.threads} thread(s)")
     results = {}
-    for path, lengths in (("chunked", chunked_lengths), ("dense", dense_lengths)):
+    for path, lengths in (("chunked", chunked_lengths), ("fused", dense_lengths), ("dense", dense_lengths),
+                          ("sdpa-causal", dense_lengths)):
         for n in lengths:
             r = {}
             for mode in ("time", "memory"):
@@ -123,13 +133,13 @@ def main(argv=None) -> int:
                     env["MALLOC_MMAP_THRESHOLD_"] = "65536"
                 out = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if out.returncode != 0:
-                    print(f"{path:8s} L={n:6d} {mode} failed: {out.stderr.strip().splitlines()[-1:]}")
+                    print(f"{path:11s} L={n:6d} {mode} failed: {out.stderr.strip().splitlines()[-1:]}")
                     break
                 r.update(json.loads(out.stdout.strip().splitlines()[-1]))
             if len(r) < 2:
                 continue
             results[(path, n)] = r
-            print(f"{path:8s} L={n:6d}  {r['seconds']:8.3f} s  peak above inputs {r['peak_above_inputs_mib']:9.1f} MiB",
+            print(f"{path:11s} L={n:6d}  {r['seconds']:8.3f} s  peak above inputs {r['peak_above_inputs_mib']:9.1f} MiB",
                   flush=True)
     print("\nratios dense / chunked (time, memory):")
     for n in dense_lengths:
@@ -137,6 +147,12 @@ def main(argv=None) -> int:
         if c and d:
             print(f"  L={n:6d}: time x{d['seconds'] / c['seconds']:.2f}, "
                   f"memory x{d['peak_above_inputs_mib'] / max(c['peak_above_inputs_mib'], 1e-9):.2f}")
+    print("time chunked / fused, and fused / stock causal SDPA (no sinks, no window):")
+    for n in dense_lengths:
+        c, f, d = results.get(("chunked", n)), results.get(("fused", n)), results.get(("sdpa-causal", n))
+        if c and f:
+            print(f"  L={n:6d}: chunked / fused x{c['seconds'] / f['seconds']:.2f}"
+                  + (f", fused / sdpa-causal x{f['seconds'] / d['seconds']:.2f}" if d else ""))
     print("growth of the chunked path's memory when L doubles (linear: ~x2):")
     for a, b in zip(chunked_lengths, chunked_lengths[1:]):
         ca, cb = results.get(("chunked", a)), results.get(("chunked", b))

@@ -37,8 +37,8 @@ def flex_attention_status() -> str:
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 flex_attention(q.detach(), q.detach(), q.detach())
-            return (f"forward only on {device} (no backward): training uses the exact chunked "
-                    "PyTorch path of the same attention")
+            return (f"forward only on {device} (no backward): training uses the fused "
+                    "CPU kernel or the exact chunked path of the same attention")
         except Exception as err:  # pragma: no cover - depends on the build
             return f"not usable on {device}: {type(err).__name__}: {err}"
     except Exception as err:  # pragma: no cover - depends on the build

@@ -96,7 +96,8 @@ CASES = [
 
 @pytest.mark.parametrize("n_sink,window,lengths,padded", CASES)
 @pytest.mark.parametrize("group", [1, 4])
-def test_chunked_path_matches_float64_reference(n_sink, window, lengths, padded, group):
+@pytest.mark.parametrize("backend", ["chunked", "fused"])
+def test_cpu_backends_match_float64_reference(n_sink, window, lengths, padded, group, backend):
     torch.manual_seed(hash((n_sink, window, group)) % 1000)
     b, hkv, n, d = 2, 2, 77, 16  # 77: not a multiple of the chunk (16) nor of the block (128)
     h = hkv * group
@@ -109,7 +110,8 @@ def test_chunked_path_matches_float64_reference(n_sink, window, lengths, padded,
     if padded:
         am[1, :9] = 0
     mask = A.SinkFlexMask.from_position_ids(pos, am)
-    out = A.sink_attention(q, k, v, mask, n_sink=n_sink, window=window, sink_logits=s, chunk_size=16)
+    out = A.sink_attention(q, k, v, mask, n_sink=n_sink, window=window, sink_logits=s, chunk_size=16,
+                           backend=backend)
     ref = A.reference_attention(q, k, v, mask, n_sink=n_sink, window=window, sink_logits=s)
     assert rel_err(out, ref) < 1e-5
     g = torch.randn_like(ref)
@@ -131,7 +133,7 @@ def test_chunked_path_matches_float64_reference(n_sink, window, lengths, padded,
     pad=st.integers(0, 6),
     group=st.sampled_from([2, 3]),
 )
-def test_chunked_path_matches_reference_for_random_layouts(lengths, n_sink, window, chunk, pad, group):
+def test_cpu_backends_match_reference_for_random_layouts(lengths, n_sink, window, chunk, pad, group):
     n = sum(lengths)
     gen = torch.Generator().manual_seed(n * 31 + n_sink)
     q = torch.randn(1, 2 * group, n, 8, generator=gen)
@@ -141,9 +143,11 @@ def test_chunked_path_matches_reference_for_random_layouts(lengths, n_sink, wind
     am[0, : min(pad, n - 1)] = 0
     mask = A.SinkFlexMask.from_position_ids(packed_positions(lengths, 1), am)
     kw = dict(n_sink=n_sink, window=window, sink_logits=s)
-    out = A.sink_attention(q, k, v, mask, chunk_size=chunk, **kw)
+    out = A.sink_attention(q, k, v, mask, chunk_size=chunk, backend="chunked", **kw)
+    fused = A.sink_attention(q, k, v, mask, backend="fused", **kw)
     ref = A.reference_attention(q, k, v, mask, **kw)
     assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(fused.double(), ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("n_sink,window,lengths,padded", CASES)
@@ -168,6 +172,60 @@ def test_flex_forward_on_cpu_matches_chunked_path(n_sink, window, lengths, padde
     finite = torch.isfinite(lse_c)
     assert torch.equal(finite, torch.isfinite(lse_f))
     assert torch.allclose(lse_f[finite], lse_c[finite], atol=1e-5)
+
+
+def test_fused_path_with_sinks_queries_behind_a_cache_and_rows_without_keys():
+    torch.manual_seed(5)
+    # decoding behind a cache: 5 queries, the last 5 of 30 keys
+    q, k, v = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 30, 16), torch.randn(2, 2, 30, 16)
+    s = torch.randn(4)
+    m = A.SinkFlexMask.causal(2, 5, 30)
+    out, lse = A.sink_attention(q, k, v, m, n_sink=2, window=8, sink_logits=s, backend="fused", return_lse=True)
+    ref = A.reference_attention(q, k, v, m, n_sink=2, window=8, sink_logits=s)
+    _, lse_c = A.sink_attention(q, k, v, m, n_sink=2, window=8, backend="chunked", return_lse=True)
+    assert rel_err(out, ref) < 1e-5
+    assert torch.allclose(lse, lse_c, atol=1e-5)
+    # a padding query sees no key: output 0, lse -inf as in the chunked path, and finite gradients
+    q = torch.randn(1, 2, 6, 8, requires_grad=True)
+    kv = torch.randn(1, 2, 6, 8, requires_grad=True)
+    s = torch.zeros(2, requires_grad=True)
+    m = A.SinkFlexMask.from_segment_ids(torch.zeros(1, 6, dtype=torch.long), torch.tensor([[0, 0, 1, 1, 1, 1]]))
+    out = A.sink_attention(q, kv, kv, m, n_sink=1, window=2, sink_logits=s, backend="fused")
+    assert torch.equal(out[0, :, :2], torch.zeros(2, 2, 8))
+    with torch.no_grad():
+        _, lse = A.sink_attention(q, kv, kv, m, n_sink=1, window=2, backend="fused", return_lse=True)
+    assert torch.isinf(lse[0, :, :2]).all() and torch.isfinite(lse[0, :, 2:]).all()
+    out.square().sum().backward()
+    assert all(bool(torch.isfinite(t.grad).all()) for t in (q, kv, s))
+    assert float(s.grad.abs().min()) > 0
+
+
+def test_auto_backend_on_cpu_is_fused_while_the_dense_mask_is_small(monkeypatch):
+    from sinkflex_core.attention import kernels
+
+    calls = []
+    fused_apply, chunked_apply = kernels._FusedCPUAttention.apply, kernels._ChunkedAttention.apply
+    monkeypatch.setattr(kernels._FusedCPUAttention, "apply", lambda *a: calls.append("fused") or fused_apply(*a))
+    monkeypatch.setattr(kernels._ChunkedAttention, "apply", lambda *a: calls.append("chunked") or chunked_apply(*a))
+    q = torch.randn(2, 2, 40, 8, requires_grad=True)
+    s = torch.zeros(2, requires_grad=True)
+    A.sink_attention(q, q, q, n_sink=2, window=10, sink_logits=s)
+    # an lse that must carry gradients: only the chunked path gives one
+    A.sink_attention(q, q, q, n_sink=2, window=10, return_lse=True)
+    # keys more than FUSED_WINDOW_RATIO windows long: the chunked path skips what the window hides
+    A.sink_attention(q, q, q, n_sink=2, window=9)
+    A.sink_attention(q, q, q, n_sink=2, window=10)
+    monkeypatch.setattr(kernels, "DENSE_MASK_LIMIT", 2 * 40 * 40 - 1)
+    A.sink_attention(q, q, q, n_sink=2, window=None)
+    assert calls == ["fused", "chunked", "chunked", "fused", "chunked"]
+
+
+def test_fused_backend_refuses_what_it_cannot_do():
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="chunked"):
+        A.sink_attention(q, q, q, backend="fused", return_lse=True)
+    with pytest.raises(ValueError, match=r"shape \(2,\)"):
+        A.sink_attention(q, q, q, backend="fused", sink_logits=torch.zeros(3))
 
 
 def test_flex_backward_on_cpu_is_refused_clearly():
@@ -255,12 +313,13 @@ def test_gpt_oss_model_under_sinkflex_equals_its_eager_attention():
             model.generate(ids[:1, :12], max_new_tokens=4, do_sample=False)
 
 
-def test_sink_at_initial_logit_leaves_output_unchanged_but_learns():
+@pytest.mark.parametrize("backend", ["chunked", "fused"])
+def test_sink_at_initial_logit_leaves_output_unchanged_but_learns(backend):
     torch.manual_seed(3)
     q, k, v = torch.randn(1, 4, 64, 16), torch.randn(1, 4, 64, 16), torch.randn(1, 4, 64, 16)
     s = torch.full((4,), A.DEFAULT_SINK_LOGIT, requires_grad=True)
-    out, lse = A.sink_attention(q, k, v, sink_logits=s, return_lse=True)
-    plain = A.sink_attention(q, k, v)
+    out = A.sink_attention(q, k, v, sink_logits=s, backend=backend)
+    plain, lse = A.sink_attention(q, k, v, backend=backend, return_lse=True)
     bound = torch.exp(A.DEFAULT_SINK_LOGIT - lse.detach()).max()
     # the stated tolerance: each row changes by a relative exp(s0 - lse) at most (<= 4.5e-5 when lse >= 0)
     change = ((out - plain).norm(dim=-1) / plain.norm(dim=-1)).detach()
@@ -591,9 +650,11 @@ def test_chunked_path_is_exact_with_padding_inside_rows(chunk):
     ref = A.reference_attention(q, k, v, m, n_sink=2, window=5, sink_logits=sinks)
     out = A.sink_attention(q, k, v, m, n_sink=2, window=5, sink_logits=sinks, backend="chunked", chunk_size=chunk)
     flex = A.sink_attention(q, k, v, m, n_sink=2, window=5, sink_logits=sinks, backend="flex")
+    fused = A.sink_attention(q, k, v, m, n_sink=2, window=5, sink_logits=sinks, backend="fused")
     real = valid.bool()[:, None, :, None].expand_as(ref)
     assert (out.double() - ref)[real].abs().max() < 1e-5
     assert (flex.double() - ref)[real].abs().max() < 1e-5
+    assert (fused.double() - ref)[real].abs().max() < 1e-5
 
 
 # ------------------------------------------------------------------------------------------ bad input

@@ -1,5 +1,5 @@
-"""Sink-aware attention: sink tokens + sliding window masks, the learnable zero-value sink, an exact
-chunked PyTorch path, a float64 reference, Hugging Face registration and per-layer sink estimation.
+"""Sink-aware attention: sink tokens + sliding window masks, the learnable zero-value sink, a fused CPU
+path, an exact chunked PyTorch path, a float64 reference, Hugging Face registration and per-layer sink estimation.
 
 The attention computed here, for query ``i`` and key ``j`` of one row (keys indexed in the row):
 
@@ -15,12 +15,17 @@ The attention computed here, for query ``i`` and key ``j`` of one row (keys inde
   softmax times ``Z / (Z + e^s)``, the output is ``out * sigmoid(lse - s)`` with ``lse`` the
   log-sum-exp of the visible scores; it is applied in float32.
 
-Two backends compute the same numbers: FlexAttention (block-sparse, used on CUDA, compiled) and an exact
-chunked path in plain PyTorch (queries in chunks against only the keys they can see; a custom backward
-recomputes each chunk from the saved log-sum-exp), used wherever FlexAttention has no backward (CPU).
-Neither builds the ``L x L`` score matrix (FlexAttention only when compiled, as on CUDA; its uncompiled
-CPU fallback is for checks). GQA is handled by FlexAttention's ``enable_gqa`` and, in the chunked path,
-by folding the query heads of one KV head into the query rows: K and V are never repeated per head.
+Three backends compute the same numbers: FlexAttention (block-sparse, used on CUDA, compiled); on CPU,
+where FlexAttention has no backward, PyTorch's fused attention kernel under a dense additive mask (the
+kernel knows no sink: its output is gated as above, and its backward is handed the gated output and the
+log-sum-exp with the sink, which makes its gradients those of the sink softmax; the sink logits'
+gradient is added by hand), used while the ``B x L x L`` mask is small (``kernels.DENSE_MASK_LIMIT``);
+and beyond that an exact chunked path in plain PyTorch (queries in chunks against only the keys they can
+see; a custom backward recomputes each chunk from the saved log-sum-exp). Only the fused path holds an
+``L x L`` matrix (the mask; the kernel itself works block by block); FlexAttention builds none when
+compiled, as on CUDA (its uncompiled CPU fallback is for checks). GQA is handled by FlexAttention's
+``enable_gqa``, by repeating K and V for the fused kernel, and, in the chunked path, by folding the query
+heads of one KV head into the query rows.
 
 Use::
 
@@ -32,7 +37,7 @@ Use::
     attention.apply(model, window=4096, layer_sinks=model_dir)
 
 The modules: ``masks`` (the ``mask_mod`` functions and :class:`SinkFlexMask`), ``kernels`` (the
-zero-value sink, FlexAttention, the chunked path, the reference), ``hf`` (registration with
+zero-value sink, FlexAttention, the fused and chunked CPU paths, the reference), ``hf`` (registration with
 transformers, :func:`apply`, sink logits and saved settings) and ``sinks`` (per-layer sink estimation).
 """
 

@@ -6,8 +6,8 @@ cheap as decoding with SDPA, computing the same attention as training (within fl
 1. :func:`sink_decode_forward`: a query of one token sees at most ``n_sink + W`` keys, so its
    attention is one masked row, computed in one pass over the cache for all heads of a KV group (no
    ``repeat_kv`` copy, no chunk plan, no per-layer index building: the visible keys are one (B, C) mask
-   per distinct (sinks, window) pair, shared by the layers). Prefill (several new tokens) keeps the
-   exact chunked kernel of :func:`sinkflex_core.attention.sinkflex_attention_forward`.
+   per distinct (sinks, window) pair, shared by the layers). Prefill (several new tokens) goes to
+   :func:`sinkflex_core.attention.sinkflex_attention_forward` (on CPU the fused kernel under the mask).
 2. :func:`rolling_keep`: keys older than the window, other than the sinks, are never attended again,
    so between turns a row keeps only its first ``max_sinks`` real keys and its last ``W - 1``: the
    cache stops growing with the episode. The mask counts real keys (sinks are the first real keys of a
