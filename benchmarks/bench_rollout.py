@@ -18,6 +18,8 @@ SFT start ``runs/curve/sft_identity``) instead times the rollouts of one GRPO st
 preset with that policy, for each of ``--runs`` (default ``sdpa-fast,sinkflex-stock,sinkflex-fast``:
 stock attention on the fast path, and the preset's sink attention on transformers' stock cache and on
 the fast path; same sampler, so the stock and fast paths of one attention draw the same samples).
+``sinkflex-fast-chunked`` is the fast path with the prefills of new turns on the chunked sink kernel
+instead of the fused CPU kernel ``"auto"`` picks (``sinkflex_core.attention.sink_attention``).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def end_to_end(backend, tok, n_tasks: int, group: int, turns: int, max_new: int 
             "samples": [t.input_ids for t in batch.trajectories]}
 
 
-RUNS = ("sdpa-stock", "sdpa-fast", "sinkflex-stock", "sinkflex-fast")
+RUNS = ("sdpa-stock", "sdpa-fast", "sinkflex-stock", "sinkflex-fast", "sinkflex-fast-chunked")
 
 
 def policy_model(path: str, attention: str, out_dir: str):
@@ -116,13 +118,16 @@ def policy_step(path: str, runs: list[str]) -> None:
     done, models = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for run in runs:
-            attention, path_kind = run.split("-")
+            attention, path_kind, *kernel = run.split("-")
             if attention not in models:
                 models[attention] = policy_model(path, attention, tmp)
                 if attention == "sinkflex":
                     s = A.attention_settings(models[attention])
                     print(f"{'':>15} sinkflex: window {s['window']}, sinks per layer "
                           f"{s['layer_sinks'] or s['n_sink']}, learned sinks {s['learn_sinks']}")
+            if attention == "sinkflex":
+                for module in A.hf._attention_modules(models[attention]):
+                    module.sinkflex_backend = kernel[0] if kernel else "auto"
             backend = HFBackend(models[attention], tok, fast_path=path_kind == "fast")
             start = time.perf_counter()
             batch = collect_rollouts(backend, tok, cfg.env_id, tasks, cfg.train_split, rcfg)
@@ -134,6 +139,9 @@ def policy_step(path: str, runs: list[str]) -> None:
     # The two paths sum in different orders (log-probs agree to ~3e-5 at 1,400 tokens), so a draw that
     # lands within that distance of a token boundary may go the other way and the episode diverge.
     for attention in ("sdpa", "sinkflex"):
+        if f"{attention}-fast-chunked" in done and f"{attention}-fast" in done:
+            print(f"{attention}: the fast path with fused prefills took "
+                  f"{done[f'{attention}-fast'][0] / done[f'{attention}-fast-chunked'][0]:.2f}x the time of chunked ones")
         if f"{attention}-stock" in done and f"{attention}-fast" in done:
             (t_stock, a), (t_fast, b) = done[f"{attention}-stock"], done[f"{attention}-fast"]
             same = sum(x.input_ids == y.input_ids for x, y in zip(a.trajectories, b.trajectories))

@@ -4,11 +4,12 @@
 # learnable *zero-value sink* per head (an extra softmax term with a logit and no value), built from small
 # composable FlexAttention `mask_mod`s. This notebook draws the masks, estimates per layer where a model's
 # attention sinks are (on a tiny model with planted sinks), shows what the zero-value sink does, checks the
-# exact chunked PyTorch path and FlexAttention against a float64 reference, and shows GPU timings.
+# two CPU paths (PyTorch's fused kernel under the mask, an exact chunked PyTorch path) and FlexAttention
+# against a float64 reference, and shows GPU timings.
 #
 # Needs: CPU only (~1 min by default, ~20 s in smoke mode). On CPU FlexAttention has no backward, so
-# training uses the exact chunked path; the GPU timings shown are **recorded** ones from `data/` unless a
-# CUDA GPU is present and `run_gpu_benchmark=True`.
+# training uses the fused kernel (or, for keys many windows long, the chunked path); the GPU timings
+# shown are **recorded** ones from `data/` unless a CUDA GPU is present and `run_gpu_benchmark=True`.
 
 # %% tags=["parameters"]
 smoke = False
@@ -196,8 +197,11 @@ print("below 1e-5 and 1e-4")
 #
 # ## 4 · Exactness against a float64 dense reference
 # The chunked path (queries in chunks, exact backward from the saved log-sum-exp, GQA without repeating
-# K/V) and FlexAttention (forward only on CPU) against `reference_attention` (float64, full matrix, the
-# sink as an extra softmax column like gpt-oss). Lengths are not multiples of the chunk or the 128 block.
+# K/V), the fused path (PyTorch's fused CPU kernel under a dense additive mask; it knows no sink, so its
+# output is gated by `sigmoid(lse - s)`, its backward is handed the log-sum-exp with the sink, and the
+# sink logits' gradient is added by hand) and FlexAttention (forward only on CPU) against
+# `reference_attention` (float64, full matrix, the sink as an extra softmax column like gpt-oss). Lengths
+# are not multiples of the chunk or the 128 block.
 
 # %%
 cases = [("causal", 0, None, None, 1), ("4 sinks + window 16", 4, 16, None, 2),
@@ -218,14 +222,17 @@ for name, n_sink, window, packed, group in cases:
     mask = A.SinkFlexMask.from_position_ids(pos[None].repeat(2, 1))
     kw = dict(n_sink=n_sink, window=window, sink_logits=ss)
     ref = A.reference_attention(qq, kk, vv, mask, **kw)
-    out = A.sink_attention(qq, kk, vv, mask, chunk_size=32, **kw)
+    out = A.sink_attention(qq, kk, vv, mask, chunk_size=32, backend="chunked", **kw)
+    fused = A.sink_attention(qq, kk, vv, mask, backend="fused", **kw)
     with torch.no_grad():
         flex = A.sink_attention(qq, kk, vv, mask, backend="flex", **kw)
     g = torch.randn_like(ref)
     gr = torch.autograd.grad((ref * g).sum(), (qq, kk, vv, ss))
     go = torch.autograd.grad((out.double() * g).sum(), (qq, kk, vv, ss))
+    gf = torch.autograd.grad((fused.double() * g).sum(), (qq, kk, vv, ss))
     rows.append({"case": name, "GQA": f"{2 * group}/2", "L": n, "chunked fwd": rel(out, ref),
                  **{f"grad {nm}": rel(x, r) for nm, x, r in zip(("q", "k", "v", "sink"), go, gr)},
+                 "fused fwd": rel(fused, ref), "fused grads": max(rel(x, r) for x, r in zip(gf, gr)),
                  "flex fwd (CPU)": rel(flex, ref)})
 exact = pd.DataFrame(rows)
 print(exact.to_string(index=False, float_format=lambda x: f"{x:.1e}"))

@@ -18,12 +18,16 @@ cheap as decoding with SDPA, computing the same attention as training (within fl
 Measured with ``python benchmarks/bench_rollout.py --policy data/retail-tiny-start --runs
 sinkflex-fast,sdpa-fast,sdpa-stock --threads 2`` (the rollouts of one GRPO step of the tiny-cpu preset:
 8 training tasks x 8 episodes, up to 2,048 tokens each; the shipped start with the lookup stage and the
-preset's 768-key window; 2 threads on 2 idle cores, load average 0.3 at the start): sink attention on
-this path 31.3 s (24,196 generated tokens, 1,279 tokens an episode), stock attention on the fast path
-19.6 s (25,369 tokens), stock attention on transformers' stock cache, the rollout path before the fast
-path, 167.0 s (25,329 tokens): 5.3x less time than that path. A window of 768 keys is most of these
-episodes, so the bounded cache saves little here, and a token took longer with the sink mask than with
-SDPA. With the 256-key window the preset had before, the same command on the start shipped then gave
+preset's 768-key window; 2 threads on 2 idle cores of an Intel Xeon, with ``--runs
+sinkflex-fast-chunked,sinkflex-fast,sdpa-fast``): sink attention on this path 20.5 s (25,004 generated
+tokens, 1,287 tokens an episode), stock attention on the fast path 22.4 s (25,458 tokens), and sink
+attention with the prefills of new turns on the chunked kernel instead of the fused CPU kernel
+(:func:`sinkflex_core.attention.sink_attention`, backend "fused", what "auto" picks here) 40.1 s
+(25,332 tokens). Before the fused kernel, on 2 idle cores of an AMD EPYC, the same command gave sink
+attention 31.3 s (24,196 tokens), stock attention on the fast path 19.6 s (25,369 tokens) and stock
+attention on transformers' stock cache, the rollout path before the fast path, 167.0 s (25,329
+tokens). A window of 768 keys is most of these episodes, so the bounded cache saves little here.
+With the 256-key window the preset had before, the same command on the start shipped then gave
 28.8 s against 51.3 s for stock attention on the fast path and 468.0 s on the stock cache. Earlier, on
 a briefly trained policy with one thread on cores shared with other jobs (load average ~6): sink
 attention 1,804 s on the stock cache against 99 s on this path; 58 of the 64 stock and fast
