@@ -111,7 +111,10 @@ def _count_on(stages: list[tuple[Path, str, pd.DataFrame, dict]]) -> list[tuple[
 def write_sft_table(parts: list[tuple[Path, pd.DataFrame, dict]]) -> pd.DataFrame:
     """``data/reward_curve_sft.csv``: every evaluation of each SFT stage (``parts``, from
     :func:`start_histories`; ``step`` counts within the stage), with its settings and provenance.
-    Returns the table."""
+    Returns the table. A file that already holds the same stages is left as it is: its provenance says
+    where they were recorded (a shipped start's recipe carries none of its own)."""
+    import io
+
     from transformers import AutoModelForCausalLM
 
     from sinkflex_core.provenance import provenance
@@ -132,12 +135,19 @@ def write_sft_table(parts: list[tuple[Path, pd.DataFrame, dict]]) -> pd.DataFram
             recall_fraction=cfg["recall_fraction"], recall_fact_fillers=cfg["recall_fact_fillers"],
             identity_warmup_steps=cfg["identity_warmup_steps"], identity_rows=cfg["identity_rows"]))
     table = pd.concat(tables, ignore_index=True)
-    for k, v in provenance().items():
+    stamp = provenance()
+    for k, v in stamp.items():
         table[k] = v
     front = ["run", "seed", "step", "total_step", "epoch", "loss", "lr", "val_reward", "val_success", "val_turns",
              "elapsed_s", "best"]
     table = table[[c for c in front if c in table] + [c for c in table.columns if c not in front]]
-    table.to_csv(data_dir() / "reward_curve_sft.csv", index=False)
+    path = data_dir() / "reward_curve_sft.csv"
+    if path.is_file():
+        old, new = pd.read_csv(path), pd.read_csv(io.StringIO(table.to_csv(index=False)))
+        content = [c for c in new.columns if c not in stamp]
+        if list(old.columns) == list(new.columns) and old[content].equals(new[content]):
+            return old
+    table.to_csv(path, index=False)
     return table
 
 

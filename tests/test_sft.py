@@ -226,6 +226,11 @@ def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path, caps
     table = bench.write_sft_table(parts)
     assert list(table["run"]) == ["sft", "sft", "sft2"] and list(table["total_step"]) == [15, 30, 17]
     assert list(table["init_from"].fillna("")) == ["", "", "sft"] and (tmp_path / "reward_curve_sft.csv").is_file()
+    # the same stages written again keep the provenance of the run that recorded them
+    pd.read_csv(tmp_path / "reward_curve_sft.csv").assign(git_sha="recorded-earlier").to_csv(
+        tmp_path / "reward_curve_sft.csv", index=False)
+    assert set(bench.write_sft_table(parts)["git_sha"]) == {"recorded-earlier"}
+    assert set(pd.read_csv(tmp_path / "reward_curve_sft.csv")["git_sha"]) == {"recorded-earlier"}
     summary = bench.sft_summary(parts)
     assert (summary["sft_steps"], summary["sft_val_reward"]) == (17, more.history[-1]["val_reward"])
     # a shipped start keeps its stages in recipe/ (its own folder has no history): the same table from there
@@ -237,6 +242,10 @@ def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path, caps
     assert [list(h["total_step"]) for _, h, _ in shipped] == [[15, 30], [17]]
     assert bench.sft_summary(shipped) == summary
     assert list(bench.write_sft_table(shipped)["init_from"].fillna("")) == ["", "", "sft"]
+    # other stages: a new table, stamped now
+    changed = [(folder, hist.assign(loss=hist["loss"] + 1), cfg) for folder, hist, cfg in shipped]
+    assert set(bench.write_sft_table(changed)["git_sha"]) != {"recorded-earlier"}
+    assert set(pd.read_csv(tmp_path / "reward_curve_sft.csv")["git_sha"]) != {"recorded-earlier"}
 
 
 def test_expert_token_accuracy_counts_numbers_and_scores_a_model(tokenizer):
