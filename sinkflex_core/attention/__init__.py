@@ -1,5 +1,6 @@
 """Sink-aware attention: sink tokens + sliding window masks, the learnable zero-value sink, a fused CPU
-path, an exact chunked PyTorch path, a float64 reference, Hugging Face registration and per-layer sink estimation.
+path, an exact chunked PyTorch path, a float64 reference, Hugging Face registration and per-layer sink
+estimation.
 
 The attention computed here, for query ``i`` and key ``j`` of one row (keys indexed in the row):
 
@@ -37,8 +38,8 @@ Use::
     attention.apply(model, window=4096, layer_sinks=model_dir)
 
 The modules: ``masks`` (the ``mask_mod`` functions and :class:`SinkFlexMask`), ``kernels`` (the
-zero-value sink, FlexAttention, the fused and chunked CPU paths, the reference), ``hf`` (registration with
-transformers, :func:`apply`, sink logits and saved settings) and ``sinks`` (per-layer sink estimation).
+zero-value sink, FlexAttention, the fused and chunked CPU paths, the reference), ``hf`` (registration
+with transformers, :func:`apply`, sink logits and saved settings) and ``sinks`` (per-layer sink estimation).
 """
 
 from . import hf, kernels, masks, sinks

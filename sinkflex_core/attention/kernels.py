@@ -20,8 +20,8 @@ DEFAULT_CHUNK = 256
 # "auto" on CPU runs the fused kernel while its dense additive mask (batch x queries x keys, in the
 # inputs' dtype: 256 MB in float32) stays under this many entries and the keys are at most
 # FUSED_WINDOW_RATIO windows long, and the chunked path otherwise. The fused kernel computes every
-# (query, key) pair and masks, the chunked path only the keys a window shows: measured fwd+bwd on this
-# project's 2-core CPU (one thread; 4 query and 2 key-value heads of 32 dims, 4 sinks, float32), the
+# (query, key) pair and masks, the chunked path only the keys a window shows: measured fwd+bwd on a
+# 2-core Intel Xeon (one thread; 4 query and 2 key-value heads of 32 dims, 4 sinks, float32), the
 # fused kernel took 0.36x the chunked path's time at 1,024 keys and a 768-key window, 0.53x at 1,024 and
 # 256, 0.72x at 2,048 and 768, but 1.10x at 2,048 and 256 and 1.42x at 4,096 and 768.
 DENSE_MASK_LIMIT = 1 << 26
@@ -219,13 +219,10 @@ class _FusedCPUAttention(torch.autograd.Function):
         lse_dtype = lse.dtype
         # the kernel gives a row without any visible key lse 0 and output 0; here such a row has lse -inf
         lse = lse.float().masked_fill(~has_key, float("-inf"))
+        out = apply_zero_value_sink(out, lse, sink_logits)
+        lse_all = lse
         if sink_logits is not None:
-            s = sink_logits.float().view(1, -1, 1)
-            gate = 1.0 - torch.sigmoid(s - lse)  # see apply_zero_value_sink
-            out = (out.float() * gate.unsqueeze(-1)).to(q.dtype)
-            lse_all = torch.logaddexp(lse, s.expand_as(lse))
-        else:
-            lse_all = lse
+            lse_all = torch.logaddexp(lse, sink_logits.float().view(1, -1, 1).expand_as(lse))
         # the backward recomputes exp(score - lse): any finite value serves a row whose scores are all -inf
         lse_all = lse_all.masked_fill(~has_key, 0.0).to(lse_dtype).contiguous()
         ctx.save_for_backward(q, kk, vv, out, lse_all, sink_logits, attn_mask)
@@ -335,8 +332,9 @@ def sink_attention(
     kernel under a dense B x Lq x Lk additive mask; CPU only, and its lse carries no gradient),
     "chunked" (exact pure PyTorch, memory linear in the length) or "auto": flex on CUDA; on CPU fused
     while the dense mask has at most ``DENSE_MASK_LIMIT`` entries, the keys are at most
-    ``FUSED_WINDOW_RATIO`` windows long and no gradient is asked of the lse, chunked otherwise. Returns out (B, H, Lq, D) in q's dtype, and the log-sum-exp (B, H, Lq) float32
-    of the visible scores (before the sink) when ``return_lse``.
+    ``FUSED_WINDOW_RATIO`` windows long and no gradient is asked of the lse, chunked otherwise.
+    Returns out (B, H, Lq, D) in q's dtype, and the log-sum-exp (B, H, Lq) float32 of the visible
+    scores (before the sink) when ``return_lse``.
     """
     mask, n_sink, window, scale = _checked_arguments(q, k, v, mask, n_sink, window, scale)
     needs_grad = torch.is_grad_enabled() and any(
