@@ -165,6 +165,9 @@ class SFTConfig:
     recall_fact_fillers: int = option(1, "most separator tokens between a drill fact's key and value (1: "
                                          "`zip 92181`; 3: also `email is lucia...`; 0: none in the fact "
                                          "nor in the question, plain one-token induction: `921 81`)")
+    recall_plain_share: float = option(0.0, "share of the recall drill rows without separators (plain one-token "
+                                            "induction) beside those of recall_fact_fillers >= 1: both lookups "
+                                            "of a zip code drilled together")
     min_lr_ratio: float = option(0.1, "end of the cosine decay, as a share of lr")
     warmup_steps: int = option(30, "optimizer steps of linear warm-up")
     weight_decay: float = option(0.01, "AdamW weight decay")
@@ -210,6 +213,8 @@ class SFTConfig:
             raise ConfigError(f"recall_fact_fillers must be an integer in [0, 4], got {self.recall_fact_fillers!r}")
         if self.identity_values not in ("first", "whole"):
             raise ConfigError(f"identity_values must be 'first' or 'whole', got {self.identity_values!r}")
+        if not 0 <= self.recall_plain_share <= 1:
+            raise ConfigError(f"recall_plain_share must be in [0, 1], got {self.recall_plain_share}")
         if not 0 <= self.recall_fraction < 1 or self.copy_fraction + self.recall_fraction >= 1:
             raise ConfigError(f"recall_fraction must be in [0, 1) and leave room for expert rows beside "
                               f"copy_fraction, got {self.recall_fraction}")
@@ -399,8 +404,20 @@ def recall_warmup(policy: TokenLogprobs, cfg: SFTConfig, token_ids: torch.Tensor
     """``cfg.recall_warmup_steps`` optimizer steps on :func:`recall_drills` alone, as
     :func:`copy_warmup` (rows of ``cfg.copy_warmup_length`` tokens). Returns the loss of every step."""
     return drill_warmup(policy, cfg, cfg.recall_warmup_steps, "recall warm-up",
-                        lambda rows, length: drill_batch(*recall_drills(rows, length, token_ids, fillers, rng,
-                                                                        **recall_layout(cfg))))
+                        lambda rows, length: drill_batch(*recall_rows(cfg, rows, length, token_ids, fillers, rng)))
+
+
+def recall_rows(cfg: SFTConfig, rows: int, length: int, token_ids: torch.Tensor, fillers: torch.Tensor,
+                rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` :func:`recall_drills` of ``length`` tokens in the layout of ``cfg`` (:func:`recall_layout`):
+    with ``cfg.recall_plain_share`` in (0, 1], each row is without separators with that probability.
+    Returns ``(input_ids, loss_mask)``."""
+    share = cfg.recall_plain_share if cfg.recall_fact_fillers else 0.0
+    plain = int(rng.binomial(rows, share)) if share else 0
+    parts = [recall_drills(n, length, token_ids, fillers, rng, **layout)
+             for n, layout in ((rows - plain, recall_layout(cfg)),
+                               (plain, {"fact_fillers": (0, 0), "ask_fillers": (0, 0)})) if n]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 def recall_layout(cfg: SFTConfig) -> dict[str, tuple[int, int]]:
@@ -717,8 +734,8 @@ def _expert_batch(cfg: SFTConfig, kit: _Ingredients, idx: list[int], rng: np.ran
     if cfg.copy_fraction:
         batch = add_copy_rows(batch, cfg.copy_fraction, kit.copy_tokens, rng)
     if cfg.recall_fraction:
-        batch = add_drill_rows(batch, *recall_drills(drill_row_count(B, cfg.recall_fraction), L, *kit.recall,
-                                                     rng, **recall_layout(cfg)))
+        batch = add_drill_rows(batch, *recall_rows(cfg, drill_row_count(B, cfg.recall_fraction), L, *kit.recall,
+                                                   rng))
     if cfg.value_loss_weight != 1.0:
         batch["value_mask"] = value_start_mask(batch["input_ids"], batch["loss_mask"], *kit.tables)
     return batch

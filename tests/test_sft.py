@@ -451,6 +451,32 @@ def test_recall_drills_without_separators_are_plain_induction_from_one_token():
     assert asked >= 12 and differ >= 0.8 * asked  # mostly another token before the key: a one-token match
 
 
+def test_recall_rows_mix_the_two_layouts_of_a_zip_code():
+    """``recall_plain_share``: some rows drill plain induction (no separator before any scored value),
+    the others the layout of ``recall_fact_fillers`` (a separator before every scored value)."""
+    tokens, fillers = torch.arange(10, 300), torch.arange(300, 310)
+
+    def layouts(cfg, rows=40, seed=0):
+        ids, mask = sft.recall_rows(cfg, rows, 96, tokens, fillers, np.random.default_rng(seed))
+        assert ids.shape == mask.shape == (rows, 96) and (mask.sum(1) > 0).all()
+        before = [torch.isin(ids[r, :-1][mask[r, 1:].bool() & (mask[r, :-1] == 0)], fillers) for r in range(rows)]
+        assert all(b.all() or not b.any() for b in before)  # one layout a row
+        return sum(int(not b.any()) for b in before)
+
+    assert layouts(sft.SFTConfig(recall_fact_fillers=1)) == 0
+    assert layouts(sft.SFTConfig(recall_fact_fillers=1, recall_plain_share=1.0)) == 40
+    assert layouts(sft.SFTConfig(recall_fact_fillers=0, recall_plain_share=0.3)) == 40
+    plain = layouts(sft.SFTConfig(recall_fact_fillers=1, recall_plain_share=0.5))
+    assert 10 <= plain <= 30
+    # without the share, the rows are those recall_drills makes from the same generator (recordings unchanged)
+    ref = sft.recall_drills(5, 96, tokens, fillers, np.random.default_rng(7), **sft.recall_layout(sft.SFTConfig()))
+    got = sft.recall_rows(sft.SFTConfig(), 5, 96, tokens, fillers, np.random.default_rng(7))
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    for bad in (-0.1, 1.5):
+        with pytest.raises(sft.ConfigError, match="recall_plain_share"):
+            sft.SFTConfig(recall_plain_share=bad).validate()
+
+
 def test_episode_openings_end_with_the_first_tool_call(tokenizer):
     cfg = sft.SFTConfig(**{**SMALL, "max_total_tokens": 1 << 16})
     examples = sft.expert_examples(tokenizer, cfg, list(range(6)))
