@@ -24,6 +24,7 @@ Regenerate it (about an hour and a half on 2 busy cores; each finished part is r
     python -m sinkflex_core.start                    # -> data/retail-tiny-start
     python -m sinkflex_core.start --sink-stage       # ending with a stage on the preset's sink attention
     python -m sinkflex_core.start --lookup-stage     # + two rounds drilling the tool calls' lookups
+    python -m sinkflex_core.start --lookup-stage --zip-stage  # + the zip code's drills and three rounds
     python -m sinkflex_core.start --card-only        # rewrite README.md from the files in the folder
 """
 
@@ -173,6 +174,19 @@ SINK_STAGE_STEPS = 300
 #: tasks x 8, two 0.077 (docs/experiments.md).
 LOOKUP_ROUNDS = 2
 
+#: The zip stage (``build(zip_stage=True)``), on top of the lookup rounds: recall drills in the layout of
+#: the zip code's first digits (``zip 921`` in the customer's sentence, ``"zip": "921`` in the call) on
+#: their own, at a rate that teaches them (the lookup stage's warm-up does not)...
+ZIP_DRILLS = {"recall_fact_fillers": 1, "recall_warmup_steps": 400, "copy_warmup_length": 256, "lr": 2e-3,
+              "warmup_steps": 30, "identity_warmup_steps": 0, "max_steps": 1, "eval_every": 1000}
+#: ...then rounds of the lookup stage with those drills and plain ones in a quarter of the rows, which the
+#: episodes' form needs to recover from the drills: 600 steps gave the zip and lost the form (2 of 240
+#: episodes solved), 600 + 800 gave the form back (0.086 on all 120 test tasks x 8), 600 + 800 + 800
+#: scored 0.129 against the lookup rounds' 0.076 (docs/experiments.md).
+ZIP_ROUND = {"recall_fact_fillers": 1, "recall_plain_share": 0.5, "recall_warmup_steps": 0,
+             "identity_warmup_steps": 0, "copy_warmup_length": 128, "lr": 1e-3, "warmup_steps": 10}
+ZIP_ROUND_STEPS = (600, 800, 800)
+
 
 def sink_stage_config(base_dir: str | Path, out_dir: str | Path, **overrides):
     """The :class:`~sinkflex_core.sft.SFTConfig` of the sink stage: the saved config of the SFT run in
@@ -192,10 +206,12 @@ def sink_stage_config(base_dir: str | Path, out_dir: str | Path, **overrides):
 
 def build(out: str | Path | None = None, work_dir: str | Path = "runs/start", threads: int = 0,
           test_samples: int = 8, screen_samples: int = 4, progress: bool = True,
-          identity_stage: bool = False, sink_stage: bool = False, lookup_stage: bool = False) -> Path:
+          identity_stage: bool = False, sink_stage: bool = False, lookup_stage: bool = False,
+          zip_stage: bool = False) -> Path:
     """Train (or reuse) the SFT in ``work_dir`` (and, with ``identity_stage``, its second stage,
     :data:`sinkflex_core.sft.IDENTITY_STAGE`; with ``lookup_stage``, :data:`LOOKUP_ROUNDS` rounds of the
-    stage that drills every lookup of a tool call's values, :data:`sinkflex_core.sft.LOOKUP_STAGE`; with ``sink_stage``, a last stage on the ``tiny-cpu``
+    stage that drills every lookup of a tool call's values, :data:`sinkflex_core.sft.LOOKUP_STAGE`; with ``zip_stage``, the zip code's drills
+    :data:`ZIP_DRILLS` and the rounds :data:`ZIP_ROUND` after them; with ``sink_stage``, a last stage on the ``tiny-cpu``
     preset's sink attention, :func:`sink_stage_config`, whose sink counts are estimated on the stage before),
     copy the policy to ``out`` (default: :func:`start_dir`), estimate its sinks (a sink stage keeps the
     counts it trained with), measure it (``screen_samples`` 0: not the training tasks) and write its
@@ -214,6 +230,13 @@ def build(out: str | Path | None = None, work_dir: str | Path = "runs/start", th
             again = {"recall_warmup_steps": 0, "identity_warmup_steps": 0} if n else {}
             stages.append(sft.train_or_reuse(sft.lookup_stage(stages[-1], work / f"sft_lookup{n + 1 if n else ''}",
                                                               threads=threads, progress=progress, **again)))
+    if zip_stage:
+        stages.append(sft.train_or_reuse(sft.lookup_stage(stages[-1], work / "sft_zip_drills", threads=threads,
+                                                          progress=progress, **ZIP_DRILLS)))
+        for n, steps in enumerate(ZIP_ROUND_STEPS):
+            stages.append(sft.train_or_reuse(sft.lookup_stage(stages[-1], work / f"sft_zip{n + 1}", threads=threads,
+                                                              progress=progress, max_steps=steps, eval_every=steps,
+                                                              **ZIP_ROUND)))
     if sink_stage:
         from . import attention
 
@@ -329,7 +352,8 @@ def card_text(out: Path) -> str:
               "",
               "## Regenerate", "", "```", "python -m sinkflex_core.start"
               + "".join(f" --{flag}" for flag, stage in (("identity-stage", "sft_identity"),
-                                                          ("lookup-stage", "sft_lookup"))
+                                                          ("lookup-stage", "sft_lookup"),
+                                                          ("zip-stage", "sft_zip_drills"))
                         if any(label.endswith(f"_{stage}") for label, _, _ in stages))
               + (" --sink-stage" if saved_attention is not None else ""), "```", "",
               "It generates the oracle's expert episodes and runs the copy warm-up (together about a quarter "
@@ -397,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--identity-stage", action="store_true", help="continue the SFT with its identity stage")
     p.add_argument("--lookup-stage", action="store_true",
                    help="continue the SFT with the stage that drills every lookup of a tool call's values")
+    p.add_argument("--zip-stage", action="store_true",
+                   help="then drill the zip code's lookup and recover the episodes in three rounds")
     p.add_argument("--sink-stage", action="store_true",
                    help=f"end the SFT with {SINK_STAGE_STEPS} steps on the tiny-cpu preset's sink attention")
     p.add_argument("--card-only", action="store_true", help="only rewrite README.md from the folder's files")
@@ -411,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     out = build(args.out, args.work_dir, args.threads, args.test_samples, args.screen_samples,
                 progress=not args.no_progress, identity_stage=args.identity_stage, sink_stage=args.sink_stage,
-                lookup_stage=args.lookup_stage)
+                lookup_stage=args.lookup_stage, zip_stage=args.zip_stage)
     print(out)
     return 0
 

@@ -112,6 +112,41 @@ def test_the_lookup_stage_runs_its_rounds_each_on_the_one_before(tmp_path, monke
     assert len(trained) == 1 + start.LOOKUP_ROUNDS
 
 
+def test_the_zip_stage_drills_then_runs_its_rounds_on_the_lookup_rounds(tmp_path, monkeypatch):
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from sinkflex_core import sft
+
+    trained = []
+
+    def fake_train(cfg):
+        out = Path(cfg.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sft_config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+        trained.append(cfg)
+        return out
+
+    monkeypatch.setattr(sft, "train_or_reuse", fake_train)
+    for name in ("_export", "estimate_sinks", "measure", "write_card"):
+        monkeypatch.setattr(start, name, lambda *a, **k: None)
+    start.build(tmp_path / "start", tmp_path / "work", threads=1, progress=False, lookup_stage=True, zip_stage=True)
+    names = [Path(c.out_dir).name for c in trained]
+    assert names == ["sft", "sft_lookup", "sft_lookup2", "sft_zip_drills", "sft_zip1", "sft_zip2", "sft_zip3"]
+    assert all(b.init_from == a.out_dir for a, b in zip(trained, trained[1:]))
+    drills, rounds = trained[3], trained[4:]
+    # the drills: the zip code's layout alone, long and fast enough to be learned; one step of SFT
+    assert (drills.recall_fact_fillers, drills.recall_warmup_steps, drills.lr, drills.max_steps) == (1, 400, 2e-3, 1)
+    assert drills.identity_warmup_steps == 0 and drills.recall_plain_share == 0
+    # the rounds: no warm-ups, both drill layouts beside the episodes, the lookup stage's other settings kept
+    assert [c.max_steps for c in rounds] == list(start.ZIP_ROUND_STEPS) == [c.eval_every for c in rounds]
+    for c in rounds:
+        assert c.recall_warmup_steps == c.identity_warmup_steps == 0 and c.lr == 1e-3
+        assert (c.recall_fact_fillers, c.recall_plain_share, c.recall_fraction) == (1, 0.5, 0.25)
+        assert c.identity_rows == sft.LOOKUP_STAGE["identity_rows"] and c.swap_digit_pairs
+
+
 @pytest.fixture(scope="module")
 def random_start(tmp_path_factory):
     """A random tiny policy saved as a start folder would be (no SFT: the measurement is under test)."""
