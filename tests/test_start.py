@@ -84,35 +84,10 @@ def test_recipe_stages_come_in_the_order_they_ran(tmp_path):
     assert start.recipe_stages(tmp_path / "nothing") == []
 
 
-def test_the_lookup_stage_runs_its_rounds_each_on_the_one_before(tmp_path, monkeypatch):
-    import dataclasses
-    import json
-    from pathlib import Path
-
-    from sinkflex_core import sft
-
-    trained = []
-
-    def fake_train(cfg):  # no training: records each stage's config and saves it, as train_or_reuse would
-        out = Path(cfg.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "sft_config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
-        trained.append(cfg)
-        return out
-
-    monkeypatch.setattr(sft, "train_or_reuse", fake_train)
-    for name in ("_export", "estimate_sinks", "measure", "write_card"):
-        monkeypatch.setattr(start, name, lambda *a, **k: None)
-    start.build(tmp_path / "start", tmp_path / "work", threads=1, progress=False, lookup_stage=True)
-    assert [c.out_dir for c in trained] == [str(tmp_path / "work" / d) for d in ("sft", "sft_lookup", "sft_lookup2")]
-    assert [c.init_from for c in trained[1:]] == [trained[0].out_dir, trained[1].out_dir]
-    assert trained[1].recall_warmup_steps == sft.LOOKUP_STAGE["recall_warmup_steps"] > 0
-    assert trained[2].recall_warmup_steps == trained[2].identity_warmup_steps == 0
-    assert all(c.recall_fact_fillers == 0 and c.max_steps == sft.LOOKUP_STAGE["max_steps"] for c in trained[1:])
-    assert len(trained) == 1 + start.LOOKUP_ROUNDS
-
-
-def test_the_zip_stage_drills_then_runs_its_rounds_on_the_lookup_rounds(tmp_path, monkeypatch):
+@pytest.fixture
+def trained_stages(monkeypatch):
+    """No training: ``start.build`` records each stage's config in the returned list and saves it, as
+    ``train_or_reuse`` would; nothing is exported, estimated or measured."""
     import dataclasses
     import json
     from pathlib import Path
@@ -131,6 +106,28 @@ def test_the_zip_stage_drills_then_runs_its_rounds_on_the_lookup_rounds(tmp_path
     monkeypatch.setattr(sft, "train_or_reuse", fake_train)
     for name in ("_export", "estimate_sinks", "measure", "write_card"):
         monkeypatch.setattr(start, name, lambda *a, **k: None)
+    return trained
+
+
+def test_the_lookup_stage_runs_its_rounds_each_on_the_one_before(tmp_path, trained_stages):
+    from sinkflex_core import sft
+
+    trained = trained_stages
+    start.build(tmp_path / "start", tmp_path / "work", threads=1, progress=False, lookup_stage=True)
+    assert [c.out_dir for c in trained] == [str(tmp_path / "work" / d) for d in ("sft", "sft_lookup", "sft_lookup2")]
+    assert [c.init_from for c in trained[1:]] == [trained[0].out_dir, trained[1].out_dir]
+    assert trained[1].recall_warmup_steps == sft.LOOKUP_STAGE["recall_warmup_steps"] > 0
+    assert trained[2].recall_warmup_steps == trained[2].identity_warmup_steps == 0
+    assert all(c.recall_fact_fillers == 0 and c.max_steps == sft.LOOKUP_STAGE["max_steps"] for c in trained[1:])
+    assert len(trained) == 1 + start.LOOKUP_ROUNDS
+
+
+def test_the_zip_stage_drills_then_runs_its_rounds_on_the_lookup_rounds(tmp_path, trained_stages):
+    from pathlib import Path
+
+    from sinkflex_core import sft
+
+    trained = trained_stages
     start.build(tmp_path / "start", tmp_path / "work", threads=1, progress=False, lookup_stage=True, zip_stage=True)
     names = [Path(c.out_dir).name for c in trained]
     assert names == ["sft", "sft_lookup", "sft_lookup2", "sft_zip_drills", "sft_zip1", "sft_zip2", "sft_zip3"]
