@@ -407,6 +407,10 @@ def recall_warmup(policy: TokenLogprobs, cfg: SFTConfig, token_ids: torch.Tensor
                         lambda rows, length: drill_batch(*recall_rows(cfg, rows, length, token_ids, fillers, rng)))
 
 
+#: The layout of :func:`recall_drills` without separators: plain induction from one token.
+PLAIN_RECALL = {"fact_fillers": (0, 0), "ask_fillers": (0, 0)}
+
+
 def recall_rows(cfg: SFTConfig, rows: int, length: int, token_ids: torch.Tensor, fillers: torch.Tensor,
                 rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` :func:`recall_drills` of ``length`` tokens in the layout of ``cfg`` (:func:`recall_layout`):
@@ -416,7 +420,7 @@ def recall_rows(cfg: SFTConfig, rows: int, length: int, token_ids: torch.Tensor,
     plain = int(rng.binomial(rows, share)) if share else 0
     parts = [recall_drills(n, length, token_ids, fillers, rng, **layout)
              for n, layout in ((rows - plain, recall_layout(cfg)),
-                               (plain, {"fact_fillers": (0, 0), "ask_fillers": (0, 0)})) if n]
+                               (plain, PLAIN_RECALL)) if n]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
@@ -425,7 +429,7 @@ def recall_layout(cfg: SFTConfig) -> dict[str, tuple[int, int]]:
     that ``cfg.recall_fact_fillers`` asks for: none anywhere for 0, else 1 to that many in the fact and
     the drills' default in the question."""
     n = cfg.recall_fact_fillers
-    return {"fact_fillers": (0, 0), "ask_fillers": (0, 0)} if n == 0 else {"fact_fillers": (1, n)}
+    return dict(PLAIN_RECALL) if n == 0 else {"fact_fillers": (1, n)}
 
 
 def identity_warmup(policy: TokenLogprobs, cfg: SFTConfig, openings: list[dict[str, torch.Tensor]],
