@@ -3,8 +3,9 @@
 The paper starts GRPO from an instruct checkpoint (Qwen2.5-7B-Instruct). Nothing here downloads
 weights, so the repository ships its own start: a tiny Qwen2 trained on the retail oracle's episodes
 by the SFT recipe of :mod:`sinkflex_core.sft` (:class:`~sinkflex_core.sft.SFTConfig`'s defaults for
-:data:`RECIPE`'s steps), in ``data/retail-tiny-start/``
-with what GRPO needs beside the weights:
+:data:`RECIPE`'s steps), then the lookup stage's rounds (:data:`LOOKUP_ROUNDS`) and the zip stage
+(:data:`ZIP_DRILLS`, :data:`ZIP_ROUND_STEPS`): ``--lookup-stage --zip-stage`` below. It lives in
+``data/retail-tiny-start/`` with what GRPO needs beside the weights:
 
 - ``sinkflex_sinks.json``: the per-layer sink counts estimated from this policy
   (:func:`sinkflex_core.attention.estimate_layer_sinks` on expert episodes of the training split), which
@@ -19,12 +20,12 @@ with what GRPO needs beside the weights:
   :func:`sinkflex_core.models.load_policy` restores;
 - ``README.md``: the model card, written from the files above.
 
-Regenerate it (about an hour and a half on 2 busy cores; each finished part is reused when run again)::
+Regenerate it (about three and a half hours on 2 cores; each finished part is reused when run again)::
 
-    python -m sinkflex_core.start                    # -> data/retail-tiny-start
+    python -m sinkflex_core.start --lookup-stage --zip-stage  # the shipped start -> data/retail-tiny-start
+    python -m sinkflex_core.start                    # the first SFT stage alone
     python -m sinkflex_core.start --sink-stage       # ending with a stage on the preset's sink attention
     python -m sinkflex_core.start --lookup-stage     # + two rounds drilling the tool calls' lookups
-    python -m sinkflex_core.start --lookup-stage --zip-stage  # + the zip code's drills and three rounds
     python -m sinkflex_core.start --card-only        # rewrite README.md from the files in the folder
 """
 
@@ -315,7 +316,7 @@ def card_text(out: Path) -> str:
         tokens = (steps + warm) * cfg["batch_tokens"]
         total_tokens += tokens
         best = hist[hist["best"]].iloc[-1] if "best" in hist and hist["best"].any() else hist.iloc[-1]
-        lines.append(f"- `{label}`: {warm:,} warm-up steps and {steps:,} SFT steps of "
+        lines.append(f"- `{label}`: {warm:,} warm-up steps and {steps:,} SFT step{'s' if steps != 1 else ''} of "
                      f"{cfg['batch_tokens']:,} padded tokens ({tokens / 1e6:.1f}M tokens), lr {cfg['lr']}, "
                      f"{hist['elapsed_s'].max() / 60:.1f} minutes of SFT after the warm-up; the weights of step "
                      f"{int(best['step'])} kept (validation reward {best['val_reward']:.3f}, "
