@@ -130,7 +130,8 @@ def test_the_zip_stage_drills_then_runs_its_rounds_on_the_lookup_rounds(tmp_path
     trained = trained_stages
     start.build(tmp_path / "start", tmp_path / "work", threads=1, progress=False, lookup_stage=True, zip_stage=True)
     names = [Path(c.out_dir).name for c in trained]
-    assert names == ["sft", "sft_lookup", "sft_lookup2", "sft_zip_drills", "sft_zip1", "sft_zip2", "sft_zip3"]
+    assert names == ["sft", "sft_lookup", "sft_lookup2", "sft_zip_drills", "sft_zip1", "sft_zip2", "sft_zip3",
+                     "sft_zip4"]
     assert all(b.init_from == a.out_dir for a, b in zip(trained, trained[1:]))
     drills, rounds = trained[3], trained[4:]
     # the drills: the zip code's layout alone, long and fast enough to be learned; one step of SFT
