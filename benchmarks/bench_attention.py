@@ -1,6 +1,8 @@
 """CPU figures for the sink attention paths of ``sinkflex_core.attention.sink_attention``: the exact
-chunked path (backend "chunked"), PyTorch's fused kernel under a dense additive mask (backend "fused",
-what training on CPU uses at the tiny preset's lengths), a dense path that builds the full ``L x L``
+chunked path (backend "chunked"), PyTorch's fused kernel under an additive mask (backend "fused", what
+training on CPU uses at the tiny preset's lengths: blocks of ``--chunk`` queries, each against the keys
+it can see; and "fused-one-mask", the same kernel in one call under the whole ``L x L`` mask, as this
+backend ran before its query blocks), a dense path that builds the full ``L x L``
 scores (eager attention), and stock causal SDPA without sinks or window (a different attention, shown
 as the speed to match): forward + backward time and peak memory against length.
 
@@ -67,12 +69,18 @@ def run_case(mode: str, path: str, n: int, heads: int, head_dim: int, n_sink: in
                                 backend="chunked")
 
     def fused():
-        return A.sink_attention(q, k, v, mask, n_sink=n_sink, window=window, sink_logits=s, backend="fused")
+        return A.sink_attention(q, k, v, mask, n_sink=n_sink, window=window, sink_logits=s, chunk_size=chunk,
+                                backend="fused")
+
+    def fused_one_mask():
+        return A.sink_attention(q, k, v, mask, n_sink=n_sink, window=window, sink_logits=s, chunk_size=n,
+                                backend="fused")
 
     def sdpa_causal():
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    fn = {"dense": dense, "chunked": chunked, "fused": fused, "sdpa-causal": sdpa_causal}[path]
+    fn = {"dense": dense, "chunked": chunked, "fused": fused, "fused-one-mask": fused_one_mask,
+          "sdpa-causal": sdpa_causal}[path]
 
     def step():
         fn().backward(go)
@@ -118,8 +126,8 @@ def main(argv=None) -> int:
           f"{args.n_sink} sinks + window {window}, zero-value sink; chunk {args.chunk} queries; "
           f"{args.threads} thread(s)")
     results = {}
-    for path, lengths in (("chunked", chunked_lengths), ("fused", dense_lengths), ("dense", dense_lengths),
-                          ("sdpa-causal", dense_lengths)):
+    for path, lengths in (("chunked", chunked_lengths), ("fused", dense_lengths), ("fused-one-mask", dense_lengths),
+                          ("dense", dense_lengths), ("sdpa-causal", dense_lengths)):
         for n in lengths:
             r = {}
             for mode in ("time", "memory"):
@@ -133,13 +141,13 @@ def main(argv=None) -> int:
                     env["MALLOC_MMAP_THRESHOLD_"] = "65536"
                 out = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if out.returncode != 0:
-                    print(f"{path:11s} L={n:6d} {mode} failed: {out.stderr.strip().splitlines()[-1:]}")
+                    print(f"{path:14s} L={n:6d} {mode} failed: {out.stderr.strip().splitlines()[-1:]}")
                     break
                 r.update(json.loads(out.stdout.strip().splitlines()[-1]))
             if len(r) < 2:
                 continue
             results[(path, n)] = r
-            print(f"{path:11s} L={n:6d}  {r['seconds']:8.3f} s  peak above inputs {r['peak_above_inputs_mib']:9.1f} MiB",
+            print(f"{path:14s} L={n:6d}  {r['seconds']:8.3f} s  peak above inputs {r['peak_above_inputs_mib']:9.1f} MiB",
                   flush=True)
     print("\nratios dense / chunked (time, memory):")
     for n in dense_lengths:
@@ -153,6 +161,12 @@ def main(argv=None) -> int:
         if c and f:
             print(f"  L={n:6d}: chunked / fused x{c['seconds'] / f['seconds']:.2f}"
                   + (f", fused / sdpa-causal x{f['seconds'] / d['seconds']:.2f}" if d else ""))
+    print("the fused kernel in one call under the whole mask / in query blocks (time, memory):")
+    for n in dense_lengths:
+        f, o = results.get(("fused", n)), results.get(("fused-one-mask", n))
+        if f and o:
+            print(f"  L={n:6d}: time x{o['seconds'] / f['seconds']:.2f}, "
+                  f"memory x{o['peak_above_inputs_mib'] / max(f['peak_above_inputs_mib'], 1e-9):.2f}")
     print("growth of the chunked path's memory when L doubles (linear: ~x2):")
     for a, b in zip(chunked_lengths, chunked_lengths[1:]):
         ca, cb = results.get(("chunked", a)), results.get(("chunked", b))

@@ -197,9 +197,10 @@ print("below 1e-5 and 1e-4")
 #
 # ## 4 · Exactness against a float64 dense reference
 # The chunked path (queries in chunks, exact backward from the saved log-sum-exp, GQA without repeating
-# K/V), the fused path (PyTorch's fused CPU kernel under a dense additive mask; it knows no sink, so its
-# output is gated by `sigmoid(lse - s)`, its backward is handed the log-sum-exp with the sink, and the
-# sink logits' gradient is added by hand) and FlexAttention (forward only on CPU) against
+# K/V), the fused path (PyTorch's fused CPU kernel under an additive mask, a block of queries at a time
+# against only the keys it can see; it knows no sink, so its output is gated by `sigmoid(lse - s)`, its
+# backward is handed the log-sum-exp with the sink, and the sink logits' gradient is added by hand) and
+# FlexAttention (forward only on CPU) against
 # `reference_attention` (float64, full matrix, the sink as an extra softmax column like gpt-oss). Lengths
 # are not multiples of the chunk or the 128 block.
 

@@ -144,7 +144,7 @@ def test_cpu_backends_match_reference_for_random_layouts(lengths, n_sink, window
     mask = A.SinkFlexMask.from_position_ids(packed_positions(lengths, 1), am)
     kw = dict(n_sink=n_sink, window=window, sink_logits=s)
     out = A.sink_attention(q, k, v, mask, chunk_size=chunk, backend="chunked", **kw)
-    fused = A.sink_attention(q, k, v, mask, backend="fused", **kw)
+    fused = A.sink_attention(q, k, v, mask, chunk_size=chunk, backend="fused", **kw)
     ref = A.reference_attention(q, k, v, mask, **kw)
     assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert torch.allclose(fused.double(), ref, atol=1e-5, rtol=1e-5)
@@ -172,6 +172,25 @@ def test_flex_forward_on_cpu_matches_chunked_path(n_sink, window, lengths, padde
     finite = torch.isfinite(lse_c)
     assert torch.equal(finite, torch.isfinite(lse_f))
     assert torch.allclose(lse_f[finite], lse_c[finite], atol=1e-5)
+
+
+def test_fused_path_runs_each_query_block_against_only_the_keys_it_can_see():
+    from sinkflex_core.attention import kernels
+
+    n, block, n_sink, window = 70, 16, 2, 5
+    mask = A.SinkFlexMask.causal(2, n, n)
+    blocks, has_key = kernels._fused_blocks(mask, n_sink, window, torch.float32, block)
+    assert [(q0, q1) for q0, q1, _, _ in blocks] == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 70)]
+    assert bool(has_key.all())
+    dense = mask.dense(n_sink, window)
+    for q0, q1, keys, additive in blocks:
+        cols = torch.arange(n)[keys] if isinstance(keys, slice) else keys
+        # the sink tokens and the window range of the block's rows, nothing else
+        expect = sorted(set(range(min(n_sink, q1))) | set(range(max(0, q0 - window + 1), q1)))
+        assert cols.tolist() == expect
+        assert torch.equal(torch.isfinite(additive[:, 0]), dense[:, q0:q1][:, :, cols])
+    # the first block's keys are contiguous (a slice), a later one's are sinks plus a window (an index)
+    assert isinstance(blocks[0][2], slice) and not isinstance(blocks[2][2], slice)
 
 
 def test_fused_path_with_sinks_queries_behind_a_cache_and_rows_without_keys():
@@ -212,12 +231,13 @@ def test_auto_backend_on_cpu_is_fused_while_the_dense_mask_is_small(monkeypatch)
     A.sink_attention(q, q, q, n_sink=2, window=10, sink_logits=s)
     # an lse that must carry gradients: only the chunked path gives one
     A.sink_attention(q, q, q, n_sink=2, window=10, return_lse=True)
-    # keys more than FUSED_WINDOW_RATIO windows long: the chunked path skips what the window hides
-    A.sink_attention(q, q, q, n_sink=2, window=9)
-    A.sink_attention(q, q, q, n_sink=2, window=10)
+    # keys many windows long: the fused path's query blocks skip what the window hides, as the chunked path does
+    A.sink_attention(q, q, q, n_sink=2, window=3)
+    monkeypatch.setattr(kernels, "DENSE_MASK_LIMIT", 2 * 40 * 40)
+    A.sink_attention(q, q, q, n_sink=2, window=None)
     monkeypatch.setattr(kernels, "DENSE_MASK_LIMIT", 2 * 40 * 40 - 1)
     A.sink_attention(q, q, q, n_sink=2, window=None)
-    assert calls == ["fused", "chunked", "chunked", "fused", "chunked"]
+    assert calls == ["fused", "chunked", "fused", "fused", "chunked"]
 
 
 def test_fused_backend_refuses_what_it_cannot_do():

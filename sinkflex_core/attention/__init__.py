@@ -17,13 +17,14 @@ The attention computed here, for query ``i`` and key ``j`` of one row (keys inde
   log-sum-exp of the visible scores; it is applied in float32.
 
 Three backends compute the same numbers: FlexAttention (block-sparse, used on CUDA, compiled); on CPU,
-where FlexAttention has no backward, PyTorch's fused attention kernel under a dense additive mask (the
-kernel knows no sink: its output is gated as above, and its backward is handed the gated output and the
-log-sum-exp with the sink, which makes its gradients those of the sink softmax; the sink logits'
-gradient is added by hand), used while the ``B x L x L`` mask is small (``kernels.DENSE_MASK_LIMIT``);
-and beyond that an exact chunked path in plain PyTorch (queries in chunks against only the keys they can
-see; a custom backward recomputes each chunk from the saved log-sum-exp). Only the fused path holds an
-``L x L`` matrix (the mask; the kernel itself works block by block); FlexAttention builds none when
+where FlexAttention has no backward, PyTorch's fused attention kernel under an additive mask, one block
+of queries at a time against only the keys the block can see (the kernel knows no sink: its output is
+gated as above, and its backward is handed the gated output and the log-sum-exp with the sink, which
+makes its gradients those of the sink softmax; the sink logits' gradient is added by hand), used while
+the ``B x L x L`` mask would be small (``kernels.DENSE_MASK_LIMIT``); and beyond that an exact chunked
+path in plain PyTorch (queries in chunks against only the keys they can see; a custom backward
+recomputes each chunk from the saved log-sum-exp). Only the fused path holds mask entries (each query
+block's rows over its keys; the kernel itself works block by block); FlexAttention builds none when
 compiled, as on CUDA (its uncompiled CPU fallback is for checks). GQA is handled by FlexAttention's
 ``enable_gqa``, by repeating K and V for the fused kernel, and, in the chunked path, by folding the query
 heads of one KV head into the query rows.

@@ -1,6 +1,7 @@
 """The attention computed with a :class:`~sinkflex_core.attention.masks.SinkFlexMask`: the learnable
 zero-value sink (``out * sigmoid(lse - s)``), FlexAttention (block-sparse, compiled on CUDA), PyTorch's
-fused CPU attention kernel under a dense additive mask (the sink logits' gradient added by hand), an
+fused CPU attention kernel under an additive mask, a block of queries at a time against only the keys
+the block can see (the sink logits' gradient added by hand), an
 exact chunked path in plain PyTorch (queries in chunks against only the keys they can see, a custom
 backward that recomputes each chunk), and a float64 dense reference; :func:`sink_attention` picks."""
 
@@ -17,15 +18,16 @@ from torch.nn.attention.flex_attention import (  # isort: skip
 from .masks import SinkFlexMask, _check_count
 
 DEFAULT_CHUNK = 256
-# "auto" on CPU runs the fused kernel while its dense additive mask (batch x queries x keys, in the
-# inputs' dtype: 256 MB in float32) stays under this many entries and the keys are at most
-# FUSED_WINDOW_RATIO windows long, and the chunked path otherwise. The fused kernel computes every
-# (query, key) pair and masks, the chunked path only the keys a window shows: measured fwd+bwd on a
-# 2-core Intel Xeon (one thread; 4 query and 2 key-value heads of 32 dims, 4 sinks, float32), the
-# fused kernel took 0.36x the chunked path's time at 1,024 keys and a 768-key window, 0.53x at 1,024 and
-# 256, 0.72x at 2,048 and 768, but 1.10x at 2,048 and 256 and 1.42x at 4,096 and 768.
+# "auto" on CPU runs the fused kernel while the batch's mask (batch x queries x keys, were it dense) stays
+# under this many entries, and the chunked path otherwise. The fused kernel runs DEFAULT_CHUNK queries at
+# a time against the keys those can see (the sinks and the window range), under each block's additive
+# mask; all blocks together hold B x Lq x (window + chunk + sinks) mask entries at most in a causal
+# windowed batch, and a dense one never exists. Measured fwd+bwd on a 2-core AMD EPYC (one thread; 4
+# query and 2 key-value heads of 32 dims, 4 sinks and a 768-key window, float32): the fused kernel in
+# blocks took 0.49x the chunked path's time at 8 x 1,024 tokens, 0.57x at 4 x 2,048, 0.58x at 2 x 4,096
+# and 0.56x at 1 x 8,192; the same kernel in one call under the whole mask (how it ran before its
+# blocks) 0.84x, 1.30x, 2.40x and 4.38x (docs/experiments.md).
 DENSE_MASK_LIMIT = 1 << 26
-FUSED_WINDOW_RATIO = 4
 
 
 def _check_sink_shape(sink_logits: Tensor, n_heads: int) -> Tensor:
@@ -179,7 +181,7 @@ class _ChunkedAttention(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------------------------------
-# PyTorch's fused CPU kernel under a dense mask
+# PyTorch's fused CPU kernel under an additive mask, in blocks of queries
 # --------------------------------------------------------------------------------------------------
 def _fused_cpu(q, k, v, attn_mask, scale):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=attn_mask,
@@ -204,18 +206,25 @@ def _fold_groups(dx: Tensor, groups: int) -> Tensor:
 
 
 class _FusedCPUAttention(torch.autograd.Function):
-    """(out with the zero-value sink, lse before it) from PyTorch's fused CPU kernel under a dense
-    additive mask. The kernel knows no sink: the forward gates its output by ``sigmoid(lse - s)``; the
-    backward hands the kernel the gated output and the log-sum-exp *with* the sink, so that the
-    probabilities it recomputes are the sink softmax's (its gradients of q, k and v are then exact), and
-    adds the sink logits' own gradient, ``-sum_i p_sink,i (dO_i . O_i)``. The returned lse carries no
-    gradient."""
+    """(out with the zero-value sink, lse before it) from PyTorch's fused CPU kernel under an additive
+    mask, one block of queries at a time against only the keys that block can see (:func:`_fused_blocks`).
+    The kernel knows no sink: the forward gates its output by ``sigmoid(lse - s)``; the backward hands the
+    kernel the gated output and the log-sum-exp *with* the sink, so that the probabilities it recomputes
+    are the sink softmax's (its gradients of q, k and v are then exact), and adds the sink logits' own
+    gradient, ``-sum_i p_sink,i (dO_i . O_i)``. The returned lse carries no gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sink_logits, attn_mask, has_key, scale: float):
+    def forward(ctx, q, k, v, sink_logits, blocks, has_key, scale: float):
         g = q.shape[1] // k.shape[1]
         kk, vv = _repeat_kv(k, g), _repeat_kv(v, g)
-        out, lse = _fused_cpu(q, kk, vv, attn_mask, scale)
+        out = q.new_empty(q.shape[:3] + (v.shape[-1],))
+        lse = None
+        for q0, q1, keys, additive in blocks:
+            o, l_ = _fused_cpu(q[:, :, q0:q1].contiguous(), _select_keys(kk, keys), _select_keys(vv, keys), additive, scale)
+            if lse is None:
+                lse = l_.new_empty(q.shape[:3])
+            out[:, :, q0:q1] = o
+            lse[:, :, q0:q1] = l_
         lse_dtype = lse.dtype
         # the kernel gives a row without any visible key lse 0 and output 0; here such a row has lse -inf
         lse = lse.float().masked_fill(~has_key, float("-inf"))
@@ -225,16 +234,30 @@ class _FusedCPUAttention(torch.autograd.Function):
             lse_all = torch.logaddexp(lse, sink_logits.float().view(1, -1, 1).expand_as(lse))
         # the backward recomputes exp(score - lse): any finite value serves a row whose scores are all -inf
         lse_all = lse_all.masked_fill(~has_key, 0.0).to(lse_dtype).contiguous()
-        ctx.save_for_backward(q, kk, vv, out, lse_all, sink_logits, attn_mask)
-        ctx.scale, ctx.groups = scale, g
+        ctx.save_for_backward(q, kk, vv, out, lse_all, sink_logits)
+        ctx.blocks, ctx.scale, ctx.groups = blocks, scale, g
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        q, kk, vv, out, lse_all, sink_logits, attn_mask = ctx.saved_tensors
+        q, kk, vv, out, lse_all, sink_logits = ctx.saved_tensors
         d_out = d_out.contiguous()
-        dq, dk, dv = _fused_cpu_backward(d_out, q, kk, vv, out, lse_all, attn_mask, ctx.scale)
+        dq = torch.empty_like(q)
+        dk, dv = torch.zeros_like(kk), torch.zeros_like(vv)
+        for q0, q1, keys, additive in ctx.blocks:
+            rows = slice(q0, q1)
+            dqb, dkb, dvb = _fused_cpu_backward(
+                d_out[:, :, rows].contiguous(), q[:, :, rows].contiguous(), _select_keys(kk, keys),
+                _select_keys(vv, keys), out[:, :, rows].contiguous(), lse_all[:, :, rows].contiguous(), additive,
+                ctx.scale)
+            dq[:, :, rows] = dqb
+            if isinstance(keys, slice):
+                dk[:, :, keys] += dkb
+                dv[:, :, keys] += dvb
+            else:
+                dk.index_add_(2, keys, dkb)
+                dv.index_add_(2, keys, dvb)
         d_sink = None
         if sink_logits is not None and ctx.needs_input_grad[3]:
             # a row without keys has output 0, so it adds nothing whatever its lse placeholder
@@ -243,15 +266,41 @@ class _FusedCPUAttention(torch.autograd.Function):
         return dq, _fold_groups(dk, ctx.groups), _fold_groups(dv, ctx.groups), d_sink, None, None, None
 
 
-def _additive_mask(mask: SinkFlexMask, n_sink: int, window: int | None, dtype: torch.dtype):
-    """(B, 1, Lq, Lk) additive mask (0 where a key is visible, -inf elsewhere) and (B, 1, Lq) whether a
-    row sees any key; built once per batch and shared by every layer with the same sinks and window."""
-    key = ("additive", n_sink, window, dtype)
+def _select_keys(x: Tensor, keys) -> Tensor:
+    """The keys (or values) of one query block: a slice of the length dimension, or an index tensor."""
+    return (x[:, :, keys] if isinstance(keys, slice) else x.index_select(2, keys)).contiguous()
+
+
+def _fused_blocks(mask: SinkFlexMask, n_sink: int, window: int | None, dtype: torch.dtype, block: int):
+    """The fused path's plan: for each block of ``block`` queries, ``(q0, q1, keys, additive)`` with
+    ``keys`` the key columns any of its rows can see (a slice when they are contiguous, else an index
+    tensor: a window range plus sink tokens before it) and ``additive`` (B, 1, q1 - q0, len(keys)), 0
+    where a key is visible and -inf elsewhere; and (B, 1, Lq) whether a row sees any key. Built once per
+    batch and shared by every layer with the same sinks and window. Blocks skip the keys a causal,
+    windowed row never sees, which the kernel under one dense mask would compute and discard."""
+    key = ("fused_blocks", n_sink, window, dtype, block)
     if key not in mask._cache:
-        visible = mask.dense(n_sink, window)
-        additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-        additive.masked_fill_(~visible, float("-inf"))
-        mask._cache[key] = (additive.unsqueeze(1), visible.any(-1).unsqueeze(1))
+        dev = mask.device
+        mod = mask.mask_mod(n_sink, window)
+        b = torch.arange(mask.batch_size, device=dev)[:, None, None]
+        kv = torch.arange(mask.kv_len, device=dev)[None, None, :]
+        head = torch.zeros((), dtype=torch.long, device=dev)
+        blocks, has_key = [], []
+        for q0 in range(0, mask.q_len, block):
+            q1 = min(q0 + block, mask.q_len)
+            # (B, q1 - q0, kv_len): this block's rows of the dense mask, never the whole L x L
+            vis = mod(b, head, torch.arange(q0, q1, device=dev)[None, :, None], kv)
+            vis = vis.expand(mask.batch_size, q1 - q0, mask.kv_len)
+            has_key.append(vis.any(-1))
+            cols = vis.any(1).any(0).nonzero().flatten()
+            if len(cols) == 0:  # no row of the block sees a key: one key, masked, keeps the kernel's shapes
+                cols = torch.zeros(1, dtype=torch.long, device=dev)
+            lo, hi = int(cols[0]), int(cols[-1]) + 1
+            keys = slice(lo, hi) if hi - lo == len(cols) else cols
+            seen = vis[:, :, keys] if isinstance(keys, slice) else vis.index_select(2, keys)
+            additive = torch.zeros(seen.shape, dtype=dtype, device=dev).masked_fill_(~seen, float("-inf"))
+            blocks.append((q0, q1, keys, additive.unsqueeze(1)))
+        mask._cache[key] = (blocks, torch.cat(has_key, 1).unsqueeze(1))
     return mask._cache[key]
 
 
@@ -329,10 +378,11 @@ def sink_attention(
     ``mask`` describes the batch (default: causal, one document per row), ``sink_logits`` (H,).
 
     backend: "flex" (FlexAttention; forward only on CPU), "fused" (PyTorch's fused CPU attention
-    kernel under a dense B x Lq x Lk additive mask; CPU only, and its lse carries no gradient),
+    kernel under an additive mask, ``chunk_size`` queries at a time against only the keys they can see:
+    the sinks and the window range; CPU only, and its lse carries no gradient),
     "chunked" (exact pure PyTorch, memory linear in the length) or "auto": flex on CUDA; on CPU fused
-    while the dense mask has at most ``DENSE_MASK_LIMIT`` entries, the keys are at most
-    ``FUSED_WINDOW_RATIO`` windows long and no gradient is asked of the lse, chunked otherwise.
+    while ``B x Lq x Lk`` is at most ``DENSE_MASK_LIMIT`` and no gradient is asked of the lse, chunked
+    otherwise.
     Returns out (B, H, Lq, D) in q's dtype, and the log-sum-exp (B, H, Lq) float32 of the visible
     scores (before the sink) when ``return_lse``.
     """
@@ -343,7 +393,6 @@ def sink_attention(
         if q.device.type == "cuda":
             backend = "flex"
         elif (q.device.type == "cpu" and mask.batch_size * mask.q_len * mask.kv_len <= DENSE_MASK_LIMIT
-              and (window is None or mask.kv_len <= FUSED_WINDOW_RATIO * window)
               and not (return_lse and needs_grad)):
             backend = "fused"
         else:
@@ -372,9 +421,10 @@ def sink_attention(
         if return_lse and needs_grad:
             raise ValueError("backend='fused' returns an lse without gradient; use backend='chunked' to "
                              "differentiate through the lse")
-        additive, has_key = _additive_mask(mask, n_sink, window, q.dtype)
+        chunk_size = _check_count("chunk_size", chunk_size, 1)
+        blocks, has_key = _fused_blocks(mask, n_sink, window, q.dtype, chunk_size)
         sinks = None if sink_logits is None else _check_sink_shape(sink_logits, q.shape[1])
-        out, lse = _FusedCPUAttention.apply(q, k, v, sinks, additive, has_key, scale)
+        out, lse = _FusedCPUAttention.apply(q, k, v, sinks, blocks, has_key, scale)
         return (out, lse) if return_lse else out
     elif backend == "chunked":
         chunk_size = _check_count("chunk_size", chunk_size, 1)
