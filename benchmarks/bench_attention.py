@@ -101,6 +101,16 @@ def run_case(mode: str, path: str, n: int, heads: int, head_dim: int, n_sink: in
     return {"peak_above_inputs_mib": (peak_rss_bytes() - base) / MIB}
 
 
+def print_ratios(title: str, results: dict, lengths: list[int], slow: str, fast: str) -> None:
+    """Time and memory of path ``slow`` over path ``fast`` at each length both ran."""
+    print(title)
+    for n in lengths:
+        a, b = results.get((slow, n)), results.get((fast, n))
+        if a and b:
+            print(f"  L={n:6d}: time x{a['seconds'] / b['seconds']:.2f}, "
+                  f"memory x{a['peak_above_inputs_mib'] / max(b['peak_above_inputs_mib'], 1e-9):.2f}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
@@ -149,24 +159,16 @@ def main(argv=None) -> int:
             results[(path, n)] = r
             print(f"{path:14s} L={n:6d}  {r['seconds']:8.3f} s  peak above inputs {r['peak_above_inputs_mib']:9.1f} MiB",
                   flush=True)
-    print("\nratios dense / chunked (time, memory):")
-    for n in dense_lengths:
-        c, d = results.get(("chunked", n)), results.get(("dense", n))
-        if c and d:
-            print(f"  L={n:6d}: time x{d['seconds'] / c['seconds']:.2f}, "
-                  f"memory x{d['peak_above_inputs_mib'] / max(c['peak_above_inputs_mib'], 1e-9):.2f}")
+    print()
+    print_ratios("ratios dense / chunked (time, memory):", results, dense_lengths, "dense", "chunked")
     print("time chunked / fused, and fused / stock causal SDPA (no sinks, no window):")
     for n in dense_lengths:
         c, f, d = results.get(("chunked", n)), results.get(("fused", n)), results.get(("sdpa-causal", n))
         if c and f:
             print(f"  L={n:6d}: chunked / fused x{c['seconds'] / f['seconds']:.2f}"
                   + (f", fused / sdpa-causal x{f['seconds'] / d['seconds']:.2f}" if d else ""))
-    print("the fused kernel in one call under the whole mask / in query blocks (time, memory):")
-    for n in dense_lengths:
-        f, o = results.get(("fused", n)), results.get(("fused-one-mask", n))
-        if f and o:
-            print(f"  L={n:6d}: time x{o['seconds'] / f['seconds']:.2f}, "
-                  f"memory x{o['peak_above_inputs_mib'] / max(f['peak_above_inputs_mib'], 1e-9):.2f}")
+    print_ratios("the fused kernel in one call under the whole mask / in query blocks (time, memory):", results,
+                 dense_lengths, "fused-one-mask", "fused")
     print("growth of the chunked path's memory when L doubles (linear: ~x2):")
     for a, b in zip(chunked_lengths, chunked_lengths[1:]):
         ca, cb = results.get(("chunked", a)), results.get(("chunked", b))
