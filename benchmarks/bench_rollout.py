@@ -19,7 +19,9 @@ preset with that policy, for each of ``--runs`` (default ``sdpa-fast,sinkflex-st
 stock attention on the fast path, and the preset's sink attention on transformers' stock cache and on
 the fast path; same sampler, so the stock and fast paths of one attention draw the same samples).
 ``sinkflex-fast-chunked`` is the fast path with the prefills of new turns on the chunked sink kernel
-instead of the fused CPU kernel ``"auto"`` picks (``sinkflex_core.attention.sink_attention``).
+instead of the fused CPU kernel ``"auto"`` picks (``sinkflex_core.attention.sink_attention``), and
+``sinkflex-fast-onemask`` the fused kernel in one call under a turn's whole mask instead of its blocks of
+queries against the keys they can see.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def end_to_end(backend, tok, n_tasks: int, group: int, turns: int, max_new: int 
             "samples": [t.input_ids for t in batch.trajectories]}
 
 
-RUNS = ("sdpa-stock", "sdpa-fast", "sinkflex-stock", "sinkflex-fast", "sinkflex-fast-chunked")
+RUNS = ("sdpa-stock", "sdpa-fast", "sinkflex-stock", "sinkflex-fast", "sinkflex-fast-chunked",
+        "sinkflex-fast-onemask")
 
 
 def policy_model(path: str, attention: str, out_dir: str):
@@ -127,7 +130,8 @@ def policy_step(path: str, runs: list[str]) -> None:
                           f"{s['layer_sinks'] or s['n_sink']}, learned sinks {s['learn_sinks']}")
             if attention == "sinkflex":
                 for module in A.hf._attention_modules(models[attention]):
-                    module.sinkflex_backend = kernel[0] if kernel else "auto"
+                    module.sinkflex_backend = "chunked" if kernel == ["chunked"] else "auto"
+                    module.sinkflex_chunk_size = 1 << 30 if kernel == ["onemask"] else A.DEFAULT_CHUNK
             backend = HFBackend(models[attention], tok, fast_path=path_kind == "fast")
             start = time.perf_counter()
             batch = collect_rollouts(backend, tok, cfg.env_id, tasks, cfg.train_split, rcfg)
@@ -142,6 +146,10 @@ def policy_step(path: str, runs: list[str]) -> None:
         if f"{attention}-fast-chunked" in done and f"{attention}-fast" in done:
             print(f"{attention}: the fast path with fused prefills took "
                   f"{done[f'{attention}-fast'][0] / done[f'{attention}-fast-chunked'][0]:.2f}x the time of chunked ones")
+        if f"{attention}-fast-onemask" in done and f"{attention}-fast" in done:
+            print(f"{attention}: the fast path with prefills in query blocks took "
+                  f"{done[f'{attention}-fast'][0] / done[f'{attention}-fast-onemask'][0]:.2f}x the time of one call "
+                  "under the whole mask")
         if f"{attention}-stock" in done and f"{attention}-fast" in done:
             (t_stock, a), (t_fast, b) = done[f"{attention}-stock"], done[f"{attention}-fast"]
             same = sum(x.input_ids == y.input_ids for x, y in zip(a.trajectories, b.trajectories))
