@@ -1,9 +1,9 @@
 """The attention computed with a :class:`~sinkflex_core.attention.masks.SinkFlexMask`: the learnable
 zero-value sink (``out * sigmoid(lse - s)``), FlexAttention (block-sparse, compiled on CUDA), PyTorch's
 fused CPU attention kernel under an additive mask, a block of queries at a time against only the keys
-the block can see (the sink logits' gradient added by hand), an
-exact chunked path in plain PyTorch (queries in chunks against only the keys they can see, a custom
-backward that recomputes each chunk), and a float64 dense reference; :func:`sink_attention` picks."""
+the block can see (the sink logits' gradient added by hand), an exact chunked path in plain PyTorch
+(queries in chunks against only the keys they can see, a custom backward that recomputes each chunk),
+and a float64 dense reference; :func:`sink_attention` picks."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ DEFAULT_CHUNK = 256
 # "auto" on CPU runs the fused kernel while the batch's mask (batch x queries x keys, were it dense) stays
 # under this many entries, and the chunked path otherwise. The fused kernel runs DEFAULT_CHUNK queries at
 # a time against the keys those can see (the sinks and the window range), under each block's additive
-# mask; all blocks together hold B x Lq x (window + chunk + sinks) mask entries at most in a causal
-# windowed batch, and a dense one never exists. Measured fwd+bwd on a 2-core AMD EPYC (one thread; 4
+# mask; in a causal windowed batch all blocks together hold about B x Lq x (window + chunk + sinks) mask
+# entries (more where padding offsets the rows' windows from each other), and a dense one never exists. Measured fwd+bwd on a 2-core AMD EPYC (one thread; 4
 # query and 2 key-value heads of 32 dims, 4 sinks and a 768-key window, float32): the fused kernel in
 # blocks took 0.49x the chunked path's time at 8 x 1,024 tokens, 0.57x at 4 x 2,048, 0.58x at 2 x 4,096
 # and 0.56x at 1 x 8,192; the same kernel in one call under the whole mask (how it ran before its
