@@ -72,19 +72,21 @@ def time_updates(trainer, rows: dict, repeats: int) -> tuple[list[float], dict]:
     rows = dict(rows)
     rows["old_logprobs"] = trainer._frozen_logprobs(rows, "old")
     adv, train_rows = trainer._advantages(rows)
-    times = []
-    for _ in range(repeats):
+
+    def restore() -> None:
         trainer.policy.load_state_dict(weights)
         trainer.optimizer.load_state_dict(opt)
         trainer.scheduler.load_state_dict(sched)
+
+    times = []
+    for _ in range(repeats):
+        restore()
         start = time.perf_counter()
         ref = trainer._frozen_terms(rows, train_rows)
         acc = grpo_update(trainer.policy, trainer.optimizer, trainer.scheduler, rows, adv, train_rows, ref,
                           trainer.cfg, trainer.dist)
         times.append(time.perf_counter() - start)
-    trainer.policy.load_state_dict(weights)  # the next path starts where this one did
-    trainer.optimizer.load_state_dict(opt)
-    trainer.scheduler.load_state_dict(sched)
+    restore()  # the next path starts where this one did
     return times, acc
 
 
