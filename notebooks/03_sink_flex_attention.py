@@ -198,11 +198,11 @@ print("below 1e-5 and 1e-4")
 # ## 4 · Exactness against a float64 dense reference
 # The chunked path (queries in chunks, exact backward from the saved log-sum-exp, GQA without repeating
 # K/V), the fused path (PyTorch's fused CPU kernel under an additive mask, a block of queries at a time
-# against only the keys it can see; it knows no sink, so its output is gated by `sigmoid(lse - s)`, its
-# backward is handed the log-sum-exp with the sink, and the sink logits' gradient is added by hand) and
-# FlexAttention (forward only on CPU) against
-# `reference_attention` (float64, full matrix, the sink as an extra softmax column like gpt-oss). Lengths
-# are not multiples of the chunk or the 128 block.
+# against only the keys it can see, here blocks of 32 so that every case runs several; it knows no sink,
+# so its output is gated by `sigmoid(lse - s)`, its backward is handed the log-sum-exp with the sink,
+# and the sink logits' gradient is added by hand) and FlexAttention (forward only on CPU) against
+# `reference_attention` (float64, full matrix, the sink as an extra softmax column like gpt-oss).
+# Lengths are not multiples of the chunk or the 128 block.
 
 # %%
 cases = [("causal", 0, None, None, 1), ("4 sinks + window 16", 4, 16, None, 2),
@@ -224,7 +224,7 @@ for name, n_sink, window, packed, group in cases:
     kw = dict(n_sink=n_sink, window=window, sink_logits=ss)
     ref = A.reference_attention(qq, kk, vv, mask, **kw)
     out = A.sink_attention(qq, kk, vv, mask, chunk_size=32, backend="chunked", **kw)
-    fused = A.sink_attention(qq, kk, vv, mask, backend="fused", **kw)
+    fused = A.sink_attention(qq, kk, vv, mask, chunk_size=32, backend="fused", **kw)  # blocks of 32 queries
     with torch.no_grad():
         flex = A.sink_attention(qq, kk, vv, mask, backend="flex", **kw)
     g = torch.randn_like(ref)
