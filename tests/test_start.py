@@ -221,6 +221,7 @@ def test_sink_stage_continues_the_sft_on_the_presets_sink_attention_and_the_card
     stage = sft.saved_config(work / "sft_sink")
     counts = A.load_layer_sinks(work / "sft")  # estimated on the full-attention stage
     assert (stage["init_from"], stage["attention"], stage["max_steps"]) == (str(work / "sft"), "sinkflex", 2)
+    assert stage["eval_every"] == 2  # one evaluation, at the end: the last weights are the stage's
     preset = train.resolve_config("tiny-cpu")
     assert (stage["n_sink"], stage["window"], stage["learn_sinks"]) == (preset.n_sink, preset.window, True)
     assert stage["layer_sinks"] == str(work / "sft" / "sinkflex_sinks.json")
