@@ -22,11 +22,11 @@ DEFAULT_CHUNK = 256
 # under this many entries, and the chunked path otherwise. The fused kernel runs DEFAULT_CHUNK queries at
 # a time against the keys those can see (the sinks and the window range), under each block's additive
 # mask; in a causal windowed batch all blocks together hold about B x Lq x (window + chunk + sinks) mask
-# entries (more where padding offsets the rows' windows from each other), and a dense one never exists. Measured fwd+bwd on a 2-core AMD EPYC (one thread; 4
-# query and 2 key-value heads of 32 dims, 4 sinks and a 768-key window, float32): the fused kernel in
-# blocks took 0.49x the chunked path's time at 8 x 1,024 tokens, 0.57x at 4 x 2,048, 0.58x at 2 x 4,096
-# and 0.56x at 1 x 8,192; the same kernel in one call under the whole mask (how it ran before its
-# blocks) 0.84x, 1.30x, 2.40x and 4.38x (docs/experiments.md).
+# entries (more where padding offsets the rows' windows from each other), and a dense one never exists.
+# Measured fwd+bwd on a 2-core AMD EPYC (one thread; 4 query and 2 key-value heads of 32 dims, 4 sinks and
+# a 768-key window, float32): the fused kernel in blocks took 0.49x the chunked path's time at 8 x 1,024
+# tokens, 0.57x at 4 x 2,048, 0.58x at 2 x 4,096 and 0.56x at 1 x 8,192; the same kernel in one call under
+# the whole mask (how it ran before its blocks) 0.84x, 1.30x, 2.40x and 4.38x (docs/experiments.md).
 DENSE_MASK_LIMIT = 1 << 26
 
 
