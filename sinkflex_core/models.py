@@ -436,7 +436,7 @@ def _quiet_about_sink_logits():
 
 
 def load_policy(path: str | os.PathLike, *, base_model: str | None = None, dtype=None, device=None,
-                attn_implementation: str | None = None):
+                attn_implementation: str | None = None, saved_attention: bool = True):
     """A saved policy folder as a transformers causal LM in eval mode, **with the attention it was
     trained with**: sink counts per layer, window and learned zero-value sink logits
     (:func:`sinkflex_core.attention.attention_settings`), on top of the weights.
@@ -447,7 +447,12 @@ def load_policy(path: str | os.PathLike, *, base_model: str | None = None, dtype
     writes them, with ``sink_logits.safetensors`` beside them); adapters are loaded over ``base_model``
     (default: the base named in ``adapter_config.json``) and merged. A folder without sink settings
     loads as a plain model on ``attn_implementation`` (transformers' default when None); a folder with
-    sink settings is switched to sink attention whatever ``attn_implementation`` says."""
+    sink settings is switched to sink attention whatever ``attn_implementation`` says.
+
+    ``saved_attention=False`` loads the same weights with full attention instead (on
+    ``attn_implementation``, default ``"sdpa"``): sink counts, window and learned sink logits are dropped
+    (:func:`sinkflex_core.attention.remove`). That is another model than the one trained; use it to
+    measure what the sink attention does to a policy, not to serve it."""
     from transformers import AutoModelForCausalLM
 
     from . import attention
@@ -457,6 +462,11 @@ def load_policy(path: str | os.PathLike, *, base_model: str | None = None, dtype
     if not (path / "config.json").is_file() and not adapters.is_file():
         raise FileNotFoundError(f"{path}: no saved model there (neither config.json nor adapter_config.json)")
     settings = attention.attention_settings(path)
+    if settings is not None and not saved_attention:
+        attn_implementation = attn_implementation or "sdpa"
+        if attn_implementation == attention.IMPLEMENTATION:
+            raise ValueError(f"saved_attention=False plays {path} with full attention: attn_implementation "
+                             f"cannot be {attention.IMPLEMENTATION!r}")
     kwargs = {} if dtype is None else {"dtype": dtype}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
@@ -470,6 +480,9 @@ def load_policy(path: str | os.PathLike, *, base_model: str | None = None, dtype
     else:
         with _quiet_about_sink_logits():
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if settings is not None and not saved_attention:
+        attention.remove(model, attn_implementation)  # config.json's sinkflex_* entries too
+        settings = None
     if settings is not None:
         attention.apply(model, n_sink=settings["n_sink"], window=settings["window"],
                         layer_sinks=settings["layer_sinks"], learn_sinks=settings["learn_sinks"])

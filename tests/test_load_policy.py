@@ -140,3 +140,48 @@ def test_the_load_report_about_our_sink_logits_alone_is_dropped(tmp_path, caplog
     with caplog.at_level(logging.WARNING):
         load_policy(tmp_path)
     assert "LOAD REPORT" in caplog.text and "model.stray.weight" in caplog.text
+
+
+def test_a_sink_policy_plays_with_full_attention_only_when_asked(tmp_path):
+    """load_policy(saved_attention=False) and attention.remove: the same weights under full causal
+    attention, the learned sinks, window and config entries gone; the table names it ``full``."""
+    tok = get_tokenizer()
+    def cfg():  # a fresh config each time: apply() writes its settings into the model's config
+        return tiny_qwen2_config(len(tok), hidden_size=64, num_layers=2, tokenizer=tok)
+
+    model = A.apply(build_model(cfg(), seed=3), n_sink=2, window=8)
+    _move_sinks(model)
+    model.save_pretrained(tmp_path / "sink")
+    A.save_attention_settings(model, tmp_path / "sink")
+    tok.save_pretrained(tmp_path / "sink")
+    ids, mask = _inputs(len(tok))
+    real = mask.bool()
+    with torch.no_grad():
+        plain = build_model(cfg(), seed=3).eval()(input_ids=ids, attention_mask=mask).logits
+        sink = load_policy(tmp_path / "sink")(input_ids=ids, attention_mask=mask).logits
+        full_model = load_policy(tmp_path / "sink", saved_attention=False)
+        full = full_model(input_ids=ids, attention_mask=mask).logits
+    assert (sink - plain)[real].abs().max() > 0.05  # a window of 8 on 60 tokens is another model
+    assert (full - plain)[real].abs().max() < 1e-5
+    assert A.attention_settings(full_model) is None and not A.sink_parameters(full_model)
+    assert full_model.config._attn_implementation == "sdpa"
+    # saved again, it is a plain policy: nothing of the sink attention is left to reload
+    full_model.save_pretrained(tmp_path / "full")
+    assert A.attention_settings(tmp_path / "full") is None
+    assert "sinkflex" not in (tmp_path / "full" / "config.json").read_text()
+    # the default still loads the trained attention, and remove() undoes apply() in place
+    again = load_policy(tmp_path / "sink")
+    assert len(A.sink_parameters(again)) == 2
+    with torch.no_grad():
+        assert (A.remove(again)(input_ids=ids, attention_mask=mask).logits - plain)[real].abs().max() < 1e-5
+    with pytest.raises(ValueError, match="another attention"):
+        A.remove(again, A.IMPLEMENTATION)
+    with pytest.raises(ValueError, match="full attention"):
+        load_policy(tmp_path / "sink", saved_attention=False, attn_implementation=A.IMPLEMENTATION)
+    table = train.success_table(tmp_path / "sink", "train", [0], samples=1, progress=False, saved_attention=False)
+    assert list(table["attention"]) == ["full"] and int(table["tries"].iloc[0]) == 1
+    with pytest.raises(ValueError, match="saved with full attention"):
+        train.success_table(tmp_path / "full", "train", [0], samples=1, progress=False, saved_attention=False)
+    with pytest.raises(ValueError, match="two different attentions"):
+        train.success_table(tmp_path / "sink", "train", [0], samples=1, progress=False, saved_attention=False,
+                            sinks={"n_sink": 2, "window": 8})

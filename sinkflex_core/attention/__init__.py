@@ -37,10 +37,11 @@ Use::
     est = attention.estimate_layer_sinks(model, calibration_ids)        # per-layer sink counts
     attention.save_layer_sinks(est, model_dir)                          # model_dir/sinkflex_sinks.json
     attention.apply(model, window=4096, layer_sinks=model_dir)
+    attention.remove(model)                      # back to full attention (sinks and window dropped)
 
 The modules: ``masks`` (the ``mask_mod`` functions and :class:`SinkFlexMask`), ``kernels`` (the
 zero-value sink, FlexAttention, the fused and chunked CPU paths, the reference), ``hf`` (registration
-with transformers, :func:`apply`, sink logits and saved settings) and ``sinks`` (per-layer sink estimation).
+with transformers, :func:`apply` and :func:`remove`, sink logits and saved settings) and ``sinks`` (per-layer sink estimation).
 """
 
 from . import hf, kernels, masks, sinks
@@ -56,6 +57,7 @@ from .hf import (
     attention_settings,
     load_sink_logits,
     register,
+    remove,
     save_attention_settings,
     sink_parameters,
     sinkflex_attention_forward,
@@ -106,6 +108,7 @@ __all__ = [
     "sinkflex_attention_forward",
     "sinkflex_mask",
     "apply",
+    "remove",
     "sink_parameters",
     "load_sink_logits",
     "attention_settings",

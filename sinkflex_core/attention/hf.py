@@ -275,6 +275,32 @@ def apply(
     return model
 
 
+def remove(model: nn.Module, implementation: str = "sdpa") -> nn.Module:
+    """Undo :func:`apply`, in place: every attention layer back to full causal attention on
+    ``implementation`` (transformers' name: ``"sdpa"``, ``"eager"``, ...), its learned sink logits
+    deleted and the ``sinkflex_*`` entries of the config cleared, so that a model saved afterwards
+    loads as a plain one. This plays a policy trained with sink attention with the same weights under
+    full attention: a *different* model (the learned zero-value sink and the window are gone), to
+    compare with, not to stand in for, the one that was trained. Call it before wrapping the model
+    with peft. Returns the model; a model without sink attention is returned as it is."""
+    if implementation == IMPLEMENTATION:
+        raise ValueError(f"remove() switches to another attention than {IMPLEMENTATION!r}: name one, e.g. 'sdpa'")
+    cfg = model.config
+    if getattr(cfg, "sinkflex_n_sink", None) is None and not sink_parameters(model):
+        return model
+    for m in _attention_modules(model):
+        for name in ("sinkflex_n_sink", "sinkflex_window", "sinkflex_backend", "sinkflex_chunk_size"):
+            if hasattr(m, name):
+                delattr(m, name)
+        if "sinkflex_sink_logits" in m._parameters:
+            del m._parameters["sinkflex_sink_logits"]
+    for name in ("sinkflex_n_sink", "sinkflex_window", "sinkflex_layer_sinks", "sinkflex_learn_sinks"):
+        if hasattr(cfg, name):
+            delattr(cfg, name)
+    _set_implementation(model, implementation)
+    return model
+
+
 def sink_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The sink-logit parameters added by :func:`apply` (one (H,) tensor per layer)."""
     return [p for n, p in model.named_parameters() if n.endswith("sinkflex_sink_logits")]

@@ -129,9 +129,12 @@ def policy_digest(policy_dir: str | os.PathLike) -> str:
     return hashlib.sha256("".join(file_digest(f) for f in files).encode()).hexdigest()[:16]
 
 
-def attention_label(sinks: dict | None) -> str:
-    """How a table names the attention a policy was played with: ``"saved"`` (the folder's own) or
+def attention_label(sinks: dict | None, saved_attention: bool = True) -> str:
+    """How a table names the attention a policy was played with: ``"saved"`` (the folder's own),
+    ``"full"`` (full attention in place of the folder's sink attention, ``saved_attention=False``) or
     ``"sinkflex(n_sink=4,window=256,layer_sinks=[..])"`` for the settings given to :func:`success_table`."""
+    if not saved_attention:
+        return "full"
     if not sinks:
         return "saved"
     sinks = dict(sinks)
@@ -144,13 +147,16 @@ def attention_label(sinks: dict | None) -> str:
 
 def success_table(policy_dir: str | os.PathLike, split: str, tasks: list[int], samples: int,
                   tasks_per_call: int = 8, seed: int = 0, progress: bool = True,
-                  env_id: str = "sinkflex/Retail-v0", sinks: dict | None = None) -> Any:
+                  env_id: str = "sinkflex/Retail-v0", sinks: dict | None = None,
+                  saved_attention: bool = True) -> Any:
     """One row per task (its write actions, successes out of ``samples``) for the saved policy in
     ``policy_dir``, with the policy's folder name and weights digest, the settings and provenance.
 
     ``sinks``: keyword arguments of :func:`sinkflex_core.attention.apply` (``n_sink``, ``window``,
     ``layer_sinks``, ``learn_sinks``) to play a policy saved with plain attention with sink attention,
-    as a GRPO run with ``attention="sinkflex"`` starts it; the ``attention`` column records them."""
+    as a GRPO run with ``attention="sinkflex"`` starts it; the ``attention`` column records them.
+    ``saved_attention=False`` plays a policy saved with sink attention with full attention instead
+    (:func:`sinkflex_core.models.load_policy`; column ``attention`` = ``"full"``)."""
     import pandas as pd
 
     from ..models import load_policy
@@ -159,7 +165,15 @@ def success_table(policy_dir: str | os.PathLike, split: str, tasks: list[int], s
     from ..rollout import HFBackend
 
     start = time.perf_counter()
-    model = load_policy(policy_dir)  # with the attention it was trained with (sinks, window, sink logits)
+    if not saved_attention:
+        from ..attention import attention_settings
+
+        if sinks:
+            raise ValueError("sinks= and saved_attention=False ask for two different attentions: pass one")
+        if attention_settings(policy_dir) is None:
+            raise ValueError(f"{policy_dir} was saved with full attention: saved_attention=False changes nothing")
+    # by default with the attention it was trained with (sinks, window, sink logits)
+    model = load_policy(policy_dir, saved_attention=saved_attention)
     if sinks:
         from ..attention import apply, attention_settings
 
@@ -172,8 +186,8 @@ def success_table(policy_dir: str | os.PathLike, split: str, tasks: list[int], s
     table = pd.DataFrame({"task": tasks, "kind": task_kinds(split, tasks, env_id), "successes": counts,
                           "tries": samples})
     table = table.assign(policy=Path(policy_dir).name, policy_digest=policy_digest(policy_dir), split=split,
-                         attention=attention_label(sinks), reward_version=reward_version(env_id), seed=seed,
-                         minutes=round((time.perf_counter() - start) / 60, 2))
+                         attention=attention_label(sinks, saved_attention), reward_version=reward_version(env_id),
+                         seed=seed, minutes=round((time.perf_counter() - start) / 60, 2))
     for key, value in provenance().items():
         table[key] = value
     return table

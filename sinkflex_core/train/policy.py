@@ -121,7 +121,8 @@ def load_model(cfg: TrainConfig, tokenizer, device: torch.device, model_config=N
             raise ConfigError(f"cannot load model {cfg.model!r}: {err}") from None
         if cfg.attention != "sinkflex" and getattr(model.config, "_attn_implementation", None) == "sinkflex":
             raise ConfigError(f"{cfg.model} was trained with sink attention; train it with attention=sinkflex "
-                              "(its learned sinks are kept), not with plain attention")
+                              "(its learned sinks are kept), not with plain attention (to start from its weights "
+                              "with full attention, save models.load_policy(path, saved_attention=False) first)")
     if cfg.attention == "sinkflex":
         from .. import attention
         from .layer_sinks import resolve_layer_sinks
