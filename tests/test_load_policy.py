@@ -142,7 +142,7 @@ def test_the_load_report_about_our_sink_logits_alone_is_dropped(tmp_path, caplog
     assert "LOAD REPORT" in caplog.text and "model.stray.weight" in caplog.text
 
 
-def test_a_sink_policy_plays_with_full_attention_only_when_asked(tmp_path):
+def test_a_sink_policy_plays_with_full_attention_only_when_asked(tokenizer_dir, tmp_path):
     """load_policy(saved_attention=False) and attention.remove: the same weights under full causal
     attention, the learned sinks, window and config entries gone; the table names it ``full``."""
     tok = get_tokenizer()
@@ -185,3 +185,11 @@ def test_a_sink_policy_plays_with_full_attention_only_when_asked(tmp_path):
     with pytest.raises(ValueError, match="two different attentions"):
         train.success_table(tmp_path / "sink", "train", [0], samples=1, progress=False, saved_attention=False,
                             sinks={"n_sink": 2, "window": 8})
+    # the trainer refuses to run the sink policy with plain attention, and its hint works
+    run = {**TINY, "tokenizer": tokenizer_dir, "attention": "sdpa"}
+    with pytest.raises(train.ConfigError, match="saved_attention=False"):
+        Trainer(TrainConfig.from_dict({**run, "model": str(tmp_path / "sink"), "out_dir": str(tmp_path / "r1")}))
+    tok.save_pretrained(tmp_path / "full")
+    cfg_full = TrainConfig.from_dict({**run, "model": str(tmp_path / "full"), "out_dir": str(tmp_path / "r2")})
+    lm = Trainer(cfg_full).policy.lm
+    assert A.attention_settings(lm) is None and lm.config._attn_implementation == "sdpa"

@@ -41,7 +41,8 @@ Use::
 
 The modules: ``masks`` (the ``mask_mod`` functions and :class:`SinkFlexMask`), ``kernels`` (the
 zero-value sink, FlexAttention, the fused and chunked CPU paths, the reference), ``hf`` (registration
-with transformers, :func:`apply` and :func:`remove`, sink logits and saved settings) and ``sinks`` (per-layer sink estimation).
+with transformers, :func:`apply` and :func:`remove`, sink logits and saved settings) and ``sinks``
+(per-layer sink estimation).
 """
 
 from . import hf, kernels, masks, sinks

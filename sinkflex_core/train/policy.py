@@ -122,7 +122,8 @@ def load_model(cfg: TrainConfig, tokenizer, device: torch.device, model_config=N
         if cfg.attention != "sinkflex" and getattr(model.config, "_attn_implementation", None) == "sinkflex":
             raise ConfigError(f"{cfg.model} was trained with sink attention; train it with attention=sinkflex "
                               "(its learned sinks are kept), not with plain attention (to start from its weights "
-                              "with full attention, save models.load_policy(path, saved_attention=False) first)")
+                              "with full attention, save models.load_policy(path, saved_attention=False) and "
+                              "its tokenizer to a new folder first)")
     if cfg.attention == "sinkflex":
         from .. import attention
         from .layer_sinks import resolve_layer_sinks
