@@ -185,11 +185,29 @@ def test_a_sink_policy_plays_with_full_attention_only_when_asked(tokenizer_dir, 
     with pytest.raises(ValueError, match="two different attentions"):
         train.success_table(tmp_path / "sink", "train", [0], samples=1, progress=False, saved_attention=False,
                             sinks={"n_sink": 2, "window": 8})
-    # the trainer refuses to run the sink policy with plain attention, and its hint works
+    # the trainer refuses to run the sink policy with plain attention unless asked, as it says
     run = {**TINY, "tokenizer": tokenizer_dir, "attention": "sdpa"}
-    with pytest.raises(train.ConfigError, match="saved_attention=False"):
+    with pytest.raises(train.ConfigError, match="saved_attention=false"):
         Trainer(TrainConfig.from_dict({**run, "model": str(tmp_path / "sink"), "out_dir": str(tmp_path / "r1")}))
-    tok.save_pretrained(tmp_path / "full")
-    cfg_full = TrainConfig.from_dict({**run, "model": str(tmp_path / "full"), "out_dir": str(tmp_path / "r2")})
-    lm = Trainer(cfg_full).policy.lm
+    asked = TrainConfig.from_dict({**run, "model": str(tmp_path / "sink"), "out_dir": str(tmp_path / "r2"),
+                                   "saved_attention": False})
+    lm = Trainer(asked).policy.lm
     assert A.attention_settings(lm) is None and lm.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        assert (lm(input_ids=ids, attention_mask=mask).logits - plain)[real].abs().max() < 1e-5
+    # with sink attention, the run's own settings apply afresh: not the folder's window or learned sinks
+    fresh = TrainConfig.from_dict({**TINY, "tokenizer": tokenizer_dir, "model": str(tmp_path / "sink"),
+                                   "out_dir": str(tmp_path / "r3"), "saved_attention": False, "window": 16})
+    lm = Trainer(fresh).policy.lm
+    assert A.attention_settings(lm)["window"] == 16
+    saved = A.sink_parameters(load_policy(tmp_path / "sink"))
+    for p, q in zip(A.sink_parameters(lm), saved, strict=True):  # one initial value per head, not the learned ones
+        assert p.detach().unique().numel() == 1 and (p.detach() - q.detach()).abs().max() > 0.5
+    tok.save_pretrained(tmp_path / "full")
+    with pytest.raises(train.ConfigError, match="changes nothing"):
+        Trainer(TrainConfig.from_dict({**run, "model": str(tmp_path / "full"), "out_dir": str(tmp_path / "r4"),
+                                       "saved_attention": False}))
+    with pytest.raises(train.ConfigError, match="saved folder"):
+        TrainConfig.from_dict({**run, "saved_attention": False})
+    with pytest.raises(train.ConfigError, match="LoRA"):
+        TrainConfig.from_dict({**run, "model": str(tmp_path / "sink"), "saved_attention": False, "lora": True})

@@ -63,6 +63,10 @@ class TrainConfig:
                                   'which a resumed run reads back')
     layer_sinks_episodes: int = option(8, 'layer_sinks="auto": expert episodes the estimate reads (their first '
                                           '1,024 tokens at most)')
+    saved_attention: bool = option(True, "a start folder saved with sink attention: false starts from its weights "
+                                         "with full attention (its sink counts, window and learned sink logits "
+                                         "dropped: models.load_policy(saved_attention=False)); with "
+                                         "attention=sinkflex the run's own sink settings then apply afresh")
     gradient_checkpointing: bool = option(False, "recompute activations in the backward pass")
     lora: bool = option(False, "train LoRA adapters instead of all weights")
     lora_r: int = option(16, "LoRA rank")
@@ -229,6 +233,12 @@ class TrainConfig:
             need(getattr(self, name) in allowed, f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         need(self.preset in PRESETS, f"preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
         need(bool(self.out_dir), "out_dir must not be empty")
+        need(self.saved_attention or self.model != "tiny",
+             "saved_attention=false starts a saved policy with full attention: model must be a saved folder, not 'tiny'")
+        need(self.saved_attention or not self.lora,
+             "saved_attention=false with LoRA: the exported adapters would sit on a base that still carries the "
+             "sink settings; save models.load_policy(model, saved_attention=False) and its tokenizer to a folder "
+             "and start from it")
         if self.attention == "sinkflex":
             need(self.window >= 1, f"window must be >= 1, got {self.window}")
         need(isinstance(self.max_staleness, int) and self.max_staleness >= 0,

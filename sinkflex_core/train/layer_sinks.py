@@ -59,7 +59,7 @@ def resolve_layer_sinks(cfg: TrainConfig, model: nn.Module, tokenizer) -> list[i
     ``attention.apply``); None for one count in every layer (``layer_sinks=""`` or no sink attention).
 
     ``"auto"``: ``out_dir/sinkflex_sinks.json`` when resuming (a resumed run keeps its counts), else the
-    start policy's own counts, else :func:`sinkflex_core.attention.estimate_layer_sinks` on
+    start policy's own counts (unless ``saved_attention`` is false), else :func:`sinkflex_core.attention.estimate_layer_sinks` on
     :func:`expert_calibration_ids` (at least ``n_sink`` and at most 16 per layer); what it chose is
     written to ``out_dir/sinkflex_sinks.json``."""
     from .. import attention
@@ -75,7 +75,7 @@ def resolve_layer_sinks(cfg: TrainConfig, model: nn.Module, tokenizer) -> list[i
     record = Path(cfg.out_dir) / attention.SINKS_FILENAME
     if cfg.resume and record.is_file():
         return attention.load_layer_sinks(record)
-    counts = None if cfg.model == "tiny" else _start_policy_counts(cfg.model)
+    counts = None if cfg.model == "tiny" or not cfg.saved_attention else _start_policy_counts(cfg.model)
     if counts is not None:
         data = {"format": "sinkflex-layer-sinks/1", "n_sink": counts, "source": f"the start policy {cfg.model}"}
     else:

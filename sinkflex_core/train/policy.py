@@ -112,18 +112,23 @@ def load_model(cfg: TrainConfig, tokenizer, device: torch.device, model_config=N
         # FSDP keeps float32 master weights when training in bfloat16 (see shard_policy), so the
         # weights are loaded in float32 there; a single process loads them in the compute dtype.
         load_dtype = torch.float32 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else dtype
+        if not cfg.saved_attention:
+            from .. import attention
+
+            if attention.attention_settings(cfg.model) is None:
+                raise ConfigError(f"{cfg.model} was saved with full attention: saved_attention=false changes nothing")
         try:
-            if Path(cfg.model).is_dir():  # a saved policy: with the attention it was trained with
-                model = models.load_policy(cfg.model, dtype=load_dtype, attn_implementation=attn)
+            if Path(cfg.model).is_dir():  # a saved policy: with the attention it was trained with (by default)
+                model = models.load_policy(cfg.model, dtype=load_dtype, attn_implementation=attn,
+                                           saved_attention=cfg.saved_attention)
             else:
                 model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=load_dtype, attn_implementation=attn)
         except OSError as err:
             raise ConfigError(f"cannot load model {cfg.model!r}: {err}") from None
         if cfg.attention != "sinkflex" and getattr(model.config, "_attn_implementation", None) == "sinkflex":
             raise ConfigError(f"{cfg.model} was trained with sink attention; train it with attention=sinkflex "
-                              "(its learned sinks are kept), not with plain attention (to start from its weights "
-                              "with full attention, save models.load_policy(path, saved_attention=False) and "
-                              "its tokenizer to a new folder first)")
+                              "(its learned sinks are kept), or start from its weights with full attention with "
+                              "saved_attention=false")
     if cfg.attention == "sinkflex":
         from .. import attention
         from .layer_sinks import resolve_layer_sinks
