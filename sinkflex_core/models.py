@@ -451,7 +451,7 @@ def load_policy(path: str | os.PathLike, *, base_model: str | None = None, dtype
 
     ``saved_attention=False`` loads the same weights with full attention instead (on
     ``attn_implementation``, default ``"sdpa"``): sink counts, window and learned sink logits are dropped
-    (:func:`sinkflex_core.attention.remove`). That is another model than the one trained; use it to
+    (:func:`sinkflex_core.attention.remove`); a folder saved with full attention is refused. That is another model than the one trained; use it to
     measure what the sink attention does to a policy, not to serve it."""
     from transformers import AutoModelForCausalLM
 
@@ -462,6 +462,8 @@ def load_policy(path: str | os.PathLike, *, base_model: str | None = None, dtype
     if not (path / "config.json").is_file() and not adapters.is_file():
         raise FileNotFoundError(f"{path}: no saved model there (neither config.json nor adapter_config.json)")
     settings = attention.attention_settings(path)
+    if settings is None and not saved_attention:
+        raise ValueError(f"{path} was saved with full attention: saved_attention=False changes nothing")
     if settings is not None and not saved_attention:
         attn_implementation = attn_implementation or "sdpa"
         if attn_implementation == attention.IMPLEMENTATION:

@@ -112,11 +112,8 @@ def load_model(cfg: TrainConfig, tokenizer, device: torch.device, model_config=N
         # FSDP keeps float32 master weights when training in bfloat16 (see shard_policy), so the
         # weights are loaded in float32 there; a single process loads them in the compute dtype.
         load_dtype = torch.float32 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else dtype
-        if not cfg.saved_attention:
-            from .. import attention
-
-            if attention.attention_settings(cfg.model) is None:
-                raise ConfigError(f"{cfg.model} was saved with full attention: saved_attention=false changes nothing")
+        if not cfg.saved_attention and not Path(cfg.model).is_dir():
+            raise ConfigError(f"{cfg.model} is not a saved folder: saved_attention=false changes nothing")
         try:
             if Path(cfg.model).is_dir():  # a saved policy: with the attention it was trained with (by default)
                 model = models.load_policy(cfg.model, dtype=load_dtype, attn_implementation=attn,
@@ -125,6 +122,8 @@ def load_model(cfg: TrainConfig, tokenizer, device: torch.device, model_config=N
                 model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=load_dtype, attn_implementation=attn)
         except OSError as err:
             raise ConfigError(f"cannot load model {cfg.model!r}: {err}") from None
+        except ValueError as err:  # load_policy's refusals (saved_attention=false on a full-attention folder)
+            raise ConfigError(str(err)) from None
         if cfg.attention != "sinkflex" and getattr(model.config, "_attn_implementation", None) == "sinkflex":
             raise ConfigError(f"{cfg.model} was trained with sink attention; train it with attention=sinkflex "
                               "(its learned sinks are kept), or start from its weights with full attention with "
