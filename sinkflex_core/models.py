@@ -451,8 +451,9 @@ def load_policy(path: str | os.PathLike, *, base_model: str | None = None, dtype
 
     ``saved_attention=False`` loads the same weights with full attention instead (on
     ``attn_implementation``, default ``"sdpa"``): sink counts, window and learned sink logits are dropped
-    (:func:`sinkflex_core.attention.remove`); a folder saved with full attention is refused. That is another model than the one trained; use it to
-    measure what the sink attention does to a policy, not to serve it."""
+    (:func:`sinkflex_core.attention.remove`); a folder saved with full attention is refused. That is
+    another model than the one trained; use it to measure what the sink attention does to a policy, not
+    to serve it."""
     from transformers import AutoModelForCausalLM
 
     from . import attention
@@ -462,9 +463,9 @@ def load_policy(path: str | os.PathLike, *, base_model: str | None = None, dtype
     if not (path / "config.json").is_file() and not adapters.is_file():
         raise FileNotFoundError(f"{path}: no saved model there (neither config.json nor adapter_config.json)")
     settings = attention.attention_settings(path)
-    if settings is None and not saved_attention:
-        raise ValueError(f"{path} was saved with full attention: saved_attention=False changes nothing")
-    if settings is not None and not saved_attention:
+    if not saved_attention:
+        if settings is None:
+            raise ValueError(f"{path} was saved with full attention: saved_attention=False changes nothing")
         attn_implementation = attn_implementation or "sdpa"
         if attn_implementation == attention.IMPLEMENTATION:
             raise ValueError(f"saved_attention=False plays {path} with full attention: attn_implementation "
@@ -482,7 +483,7 @@ def load_policy(path: str | os.PathLike, *, base_model: str | None = None, dtype
     else:
         with _quiet_about_sink_logits():
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if settings is not None and not saved_attention:
+    if not saved_attention:  # settings is not None: refused above
         attention.remove(model, attn_implementation)  # config.json's sinkflex_* entries too
         settings = None
     if settings is not None:

@@ -59,9 +59,9 @@ def resolve_layer_sinks(cfg: TrainConfig, model: nn.Module, tokenizer) -> list[i
     ``attention.apply``); None for one count in every layer (``layer_sinks=""`` or no sink attention).
 
     ``"auto"``: ``out_dir/sinkflex_sinks.json`` when resuming (a resumed run keeps its counts), else the
-    start policy's own counts (unless ``saved_attention`` is false), else :func:`sinkflex_core.attention.estimate_layer_sinks` on
-    :func:`expert_calibration_ids` (at least ``n_sink`` and at most 16 per layer); what it chose is
-    written to ``out_dir/sinkflex_sinks.json``."""
+    start policy's own counts (unless ``saved_attention`` is false), else
+    :func:`sinkflex_core.attention.estimate_layer_sinks` on :func:`expert_calibration_ids` (at least
+    ``n_sink`` and at most 16 per layer); what it chose is written to ``out_dir/sinkflex_sinks.json``."""
     from .. import attention
 
     spec = cfg.layer_sinks
