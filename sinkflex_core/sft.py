@@ -23,7 +23,8 @@ The recipe, in the order :func:`train_sft` runs it:
 - optional stages, off by default: key-value recall drills (``recall_*``), a heavier loss on the
   first token of tool-call values (``value_loss_weight``), the identity stage that scores the values
   of the identity call alone (``identity_*``; :data:`IDENTITY_STAGE` is the recorded second stage),
-  the later calls' values scored alone (``action_rows``), renumbering of two-digit tokens
+  the later calls' values scored alone (``action_rows``; ``action_tools`` keeps the calls of some
+  tools, ``action_messages`` adds the messages that confirm them), renumbering of two-digit tokens
   (``swap_digit_pairs``); :data:`LOOKUP_STAGE` combines them;
 - early stopping: every ``eval_every`` optimizer steps the policy plays held-out training tasks (the
   last ``val_tasks`` of the ``"train"`` split, never in the SFT data) with the rollout settings of the
@@ -38,6 +39,7 @@ and figures: ``docs/experiments.md``.
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import dataclasses
 import json
@@ -58,6 +60,7 @@ from .sft_data import (  # noqa: F401  (re-exported: sft.<name> stays valid)
     action_cuts,
     add_copy_rows,
     add_drill_rows,
+    call_name,
     collate,
     copy_drill_batch,
     copy_drills,
@@ -149,6 +152,11 @@ class SFTConfig:
                                    "own mean loss to the step's (identity_batch)")
     action_rows: int = option(0, "episodes per optimizer step, each cut after one of the expert's later tool "
                                  "calls, whose values add their own mean loss (action_batch)")
+    action_tools: str = option("", "comma-separated tool names: the action rows cut only at calls of these "
+                                   "tools ('': every call after the first)")
+    action_messages: bool = option(False, "the action rows also cut after the expert's messages between its "
+                                          "first and last tool call (the confirmation of a write call), every "
+                                          "token of the message scored")
     identity_values: str = option("first", "what the identity and action rows score of each value of their "
                                            "call: 'first' (its first token) or 'whole' (every token, "
                                            "whole_values)")
@@ -211,6 +219,8 @@ class SFTConfig:
             raise ConfigError(f"copy_fraction must be in [0, 1), got {self.copy_fraction}")
         if not (isinstance(self.recall_fact_fillers, int) and 0 <= self.recall_fact_fillers <= 4):
             raise ConfigError(f"recall_fact_fillers must be an integer in [0, 4], got {self.recall_fact_fillers!r}")
+        if (self.action_tools or self.action_messages) and not self.action_rows:
+            raise ConfigError("action_tools and action_messages choose what the action rows drill: set action_rows")
         if self.identity_values not in ("first", "whole"):
             raise ConfigError(f"identity_values must be 'first' or 'whole', got {self.identity_values!r}")
         if not 0 <= self.recall_plain_share <= 1:
@@ -667,9 +677,7 @@ def _prepare(policy: TokenLogprobs, cfg: SFTConfig, tokenizer, data: list[dict[s
     # remembering their zip code
     identity_groups = swap_groups + number_groups if openings or cfg.action_rows else []
     quotes = quote_tokens(tokenizer) if (openings or cfg.action_rows) and cfg.identity_values == "whole" else None
-    cuts = action_cuts(data, tokenizer.convert_tokens_to_ids("<tool_call>")) if cfg.action_rows else None
-    if cfg.action_rows and not cuts:
-        raise RuntimeError("action_rows: no expert episode calls a second tool")
+    cuts = _action_cuts(cfg, tokenizer, data) if cfg.action_rows else None
     if cfg.identity_warmup_steps:
         identity_warmup(policy, cfg, openings, identity_groups, pad, tables, rng, quotes)
     number_group = number_groups if cfg.swap_numbers else []
@@ -679,6 +687,27 @@ def _prepare(policy: TokenLogprobs, cfg: SFTConfig, tokenizer, data: list[dict[s
     return _Ingredients(tokenizer=tokenizer, data=data, openings=openings, val_ids=val_ids, pad=pad,
                         copy_tokens=copy_tokens, recall=recall, swap_groups=swap_groups, number_group=number_group,
                         identity_groups=identity_groups, tables=tables, quotes=quotes, cuts=cuts)
+
+
+def _action_cuts(cfg: SFTConfig, tokenizer, data: list[dict[str, torch.Tensor]]) -> list[tuple[int, int, int, bool]]:
+    """The turns the action rows cut after (:func:`action_cuts`): with ``cfg.action_tools``, only the
+    calls of those tools (each checked against the tools the expert's episodes call) and the messages."""
+    texts = token_texts(tokenizer)
+    cuts = action_cuts(data, tokenizer.convert_tokens_to_ids("<tool_call>"), cfg.action_messages)
+    names = ["message" if whole else call_name(data[n]["input_ids"][start:end], texts) for n, start, end, whole in cuts]
+    tools = {t.strip() for t in cfg.action_tools.split(",") if t.strip()}
+    if tools:
+        called = {name for name, cut in zip(names, cuts) if not cut[3]}
+        if tools - called:
+            raise ConfigError(f"action_tools: the expert's episodes never call {sorted(tools - called)} after "
+                              f"their first call; they call {sorted(c for c in called if c)}")
+        keep = [k for k, (cut, name) in enumerate(zip(cuts, names)) if cut[3] or name in tools]
+        cuts, names = [cuts[k] for k in keep], [names[k] for k in keep]
+    if not cuts:
+        raise RuntimeError("action_rows: no expert episode calls a second tool")
+    kinds = collections.Counter(names).most_common()
+    print(f"sft: action rows cut after {len(cuts)} turns ({', '.join(f'{k} {v}' for k, v in kinds)})", file=sys.stderr)
+    return cuts
 
 
 def _lr_at(cfg: SFTConfig, step: int) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -115,7 +116,7 @@ def identity_batch(openings: list[dict[str, torch.Tensor]], rows: int, rng: np.r
 
 def _value_rows(picked: list[dict[str, torch.Tensor]], rng: np.random.Generator, pad_id: int,
                 value_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor], groups: list[torch.Tensor] | None,
-                quotes: torch.Tensor | None) -> dict[str, torch.Tensor]:
+                quotes: torch.Tensor | None, whole: list[bool] | None = None) -> dict[str, torch.Tensor]:
     if groups:
         picked = [swap_names(e, groups, rng) for e in picked]
     rows = len(picked)
@@ -123,46 +124,71 @@ def _value_rows(picked: list[dict[str, torch.Tensor]], rng: np.random.Generator,
     starts = value_start_mask(batch["input_ids"], batch["loss_mask"], *value_tables)
     if quotes is not None:
         starts = whole_values(batch["input_ids"], starts, quotes) & batch["loss_mask"].bool()
+    if whole is not None and any(whole):  # these rows score every expert token they hold
+        keep = torch.tensor(whole)
+        starts[keep] = batch["loss_mask"][keep].bool()
     batch["loss_mask"] = starts.to(batch["loss_mask"].dtype)
     batch["copy_rows"] = torch.ones(rows, dtype=torch.bool)
     return batch
 
 
-def action_cuts(examples: list[dict[str, torch.Tensor]], tool_call_id: int) -> list[tuple[int, int, int]]:
+def action_cuts(examples: list[dict[str, torch.Tensor]], tool_call_id: int, messages: bool = False
+                ) -> list[tuple[int, int, int, bool]]:
     """Every expert turn that calls a tool, but each episode's first (the identity lookup, which
-    :func:`episode_openings` serves): ``(example, start, end)``, the turn's span of expert tokens, for
-    :func:`action_batch`. The lookups of the later calls (an order's item ids, a new address, the
-    payment method the customer named, the tool the request asks for) are a few tokens among a
-    thousand, as the identity lookup's were."""
+    :func:`episode_openings` serves): ``(example, start, end, whole)``, the turn's span of expert
+    tokens, for :func:`action_batch`. The lookups of the later calls (an order's item ids, a new address,
+    the payment method the customer named, the tool the request asks for) are a few tokens among a
+    thousand, as the identity lookup's were.
+
+    ``messages`` adds the expert's messages (turns without a tool call) that come after the episode's
+    first tool call and before its last: in the retail world, the confirmation that names the values of
+    the write call after it (the new address, the items and the items they become), looked up in the
+    customer's sentence and the records. Those cuts have ``whole`` set: every token of the message is
+    scored, not just the first tokens of a call's values."""
     out = []
     for n, e in enumerate(examples):
         mask = e["loss_mask"].bool()
-        calls = ((e["input_ids"] == tool_call_id) & mask).nonzero().flatten().tolist()
-        for c in calls[1:]:
-            start, end = c, c
-            while start > 0 and mask[start - 1]:
-                start -= 1
-            while end < len(mask) and mask[end]:
-                end += 1
-            out.append((n, start, end))
+        ids = e["input_ids"]
+        # the expert's turns: runs of scored tokens
+        edges = torch.diff(mask.to(torch.int8), prepend=torch.zeros(1, dtype=torch.int8),
+                           append=torch.zeros(1, dtype=torch.int8))
+        starts, ends = (edges == 1).nonzero().flatten().tolist(), (edges == -1).nonzero().flatten().tolist()
+        call_at = set(((ids == tool_call_id) & mask).nonzero().flatten().tolist())
+        spans = [(a, b, any(a <= c < b for c in call_at)) for a, b in zip(starts, ends)]
+        calls = [k for k, (_, _, call) in enumerate(spans) if call]
+        if not calls:
+            continue
+        for k, (start, end, call) in enumerate(spans):
+            if call and k != calls[0]:
+                out.append((n, start, end, False))
+            elif messages and not call and calls[0] < k < calls[-1]:
+                out.append((n, start, end, True))
     return out
 
 
-def action_batch(examples: list[dict[str, torch.Tensor]], cuts: list[tuple[int, int, int]], rows: int,
+def call_name(ids: torch.Tensor, texts: list[str]) -> str | None:
+    """The tool name of the call that the tokens ``ids`` (an expert turn) write, or None."""
+    found = re.search(r'"name":\s*"([^"]+)"', "".join(texts[int(t)] for t in ids))
+    return found.group(1) if found else None
+
+
+def action_batch(examples: list[dict[str, torch.Tensor]], cuts: list[tuple[int, int, int, bool]], rows: int,
                  rng: np.random.Generator, pad_id: int, value_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                  groups: list[torch.Tensor] | None = None, quotes: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """As :func:`identity_batch`, for the later tool calls: ``rows`` of ``cuts`` (:func:`action_cuts`)
-    drawn at random, each episode cut after that call's turn, with only the values of that call scored
-    (their first tokens; with ``quotes``, whole)."""
+    """As :func:`identity_batch`, for the later turns: ``rows`` of ``cuts`` (:func:`action_cuts`)
+    drawn at random, each episode cut after that turn, with only the values of that turn's call scored
+    (their first tokens; with ``quotes``, whole), or every token of it for a cut marked ``whole`` (a
+    message)."""
     if not cuts:
         raise ValueError("action_batch needs at least one tool call after the first")
-    picked = []
+    picked, whole = [], []
     for k in rng.integers(0, len(cuts), rows):
-        n, start, end = cuts[int(k)]
+        n, start, end, all_tokens = cuts[int(k)]
         mask = torch.zeros(end, dtype=examples[n]["loss_mask"].dtype)
         mask[start:end] = examples[n]["loss_mask"][start:end]
         picked.append({"input_ids": examples[n]["input_ids"][:end], "loss_mask": mask})
-    return _value_rows(picked, rng, pad_id, value_tables, groups, quotes)
+        whole.append(all_tokens)
+    return _value_rows(picked, rng, pad_id, value_tables, groups, quotes, whole)
 
 
 def quote_tokens(tokenizer) -> torch.Tensor:

@@ -563,8 +563,9 @@ def test_action_batch_scores_the_values_of_one_later_tool_call(tokenizer):
     cuts = sft.action_cuts(examples, call_id)
     calls = sum(int(((e["input_ids"] == call_id) & e["loss_mask"].bool()).sum()) for e in examples)
     assert len(cuts) == calls - len(examples)  # every tool call but each episode's first
-    for n, start, end in cuts:
+    for n, start, end, whole in cuts:
         turn = examples[n]["input_ids"][start:end]
+        assert not whole
         assert examples[n]["loss_mask"][start:end].all() and call_id in turn.tolist()
         assert start == 0 or examples[n]["loss_mask"][start - 1] == 0  # the whole turn
     tables, quotes = sft.value_start_tokens(tokenizer), sft.quote_tokens(tokenizer)
@@ -587,8 +588,37 @@ def test_action_batch_scores_the_values_of_one_later_tool_call(tokenizer):
     assert len(names) >= 3
     with pytest.raises(ValueError, match="tool call"):
         sft.action_batch(examples, [], 2, np.random.default_rng(0), 0, tables)
+    # only the calls of the named tools, and the expert's messages between its first and last call
+    texts = sft.token_texts(tokenizer)
+    some = sorted(names)[:2]
+    kept = sft._action_cuts(sft.SFTConfig(action_rows=1, action_tools=",".join(some), action_messages=True),
+                            tokenizer, examples)
+    assert [c for c in kept if not c[3]] == [c for c in cuts if sft.call_name(examples[c[0]]["input_ids"][c[1]:c[2]],
+                                                                             texts) in some]
+    assert {sft.call_name(examples[n]["input_ids"][a:b], texts) for n, a, b, w in kept if not w} == set(some)
+    messages = [c for c in kept if c[3]]
+    assert messages and messages == [c for c in sft.action_cuts(examples, call_id, messages=True) if c[3]]
+    for n, start, end, _ in messages:
+        ids, mask = examples[n]["input_ids"], examples[n]["loss_mask"].bool()
+        assert call_id not in ids[start:end].tolist() and mask[start:end].all() and not mask[end]
+        before = ((ids[:start] == call_id) & mask[:start]).any()
+        after = ((ids[end:] == call_id) & mask[end:]).any()
+        assert before and after  # between the episode's first call and its last
+    batch = sft.action_batch(examples, messages, 8, np.random.default_rng(1), tokenizer.pad_token_id, tables,
+                             quotes=quotes)
+    for ids, att, mask in zip(batch["input_ids"], batch["attention_mask"], batch["loss_mask"]):
+        n = int(att.sum())
+        last_turn = int((ids[:n] == tokenizer.convert_tokens_to_ids("<|im_start|>")).nonzero().flatten()[-1])
+        scored = mask[:n].nonzero().flatten()
+        # every token of the message after its header is scored, nothing before it
+        assert int(scored.min()) > last_turn and int(scored.max()) == n - 1
+        assert len(scored) == n - int(scored.min()) and "<tool_call>" not in tokenizer.decode(ids[scored])
+    with pytest.raises(sft.ConfigError, match="never call"):
+        sft._action_cuts(sft.SFTConfig(action_rows=1, action_tools="no_such_tool"), tokenizer, examples)
     with pytest.raises(sft.ConfigError, match="action_rows"):
         sft.SFTConfig(action_rows=-1).validate()
+    with pytest.raises(sft.ConfigError, match="set action_rows"):
+        sft.SFTConfig(action_messages=True).validate()
 
 
 def test_swap_numbers_renumbers_every_id_and_zip_the_same_way_everywhere(tokenizer):
