@@ -167,7 +167,10 @@ def action_cuts(examples: list[dict[str, torch.Tensor]], tool_call_id: int, mess
 
 
 def call_name(ids: torch.Tensor, texts: list[str]) -> str | None:
-    """The tool name of the call that the tokens ``ids`` (an expert turn) write, or None."""
+    """The tool name of the call that the tokens ``ids`` (an expert turn) write, or None. Read with a
+    pattern rather than :func:`sinkflex_core.envs.base.parse_action`: an episode cut at
+    ``max_total_tokens`` inside a call (50 of the 10,000 synthetic ones) ends in no complete call, yet its
+    tool's name and first values are there to score."""
     found = re.search(r'"name":\s*"([^"]+)"', "".join(texts[int(t)] for t in ids))
     return found.group(1) if found else None
 
