@@ -79,20 +79,20 @@ RUNS = ("sdpa-stock", "sdpa-fast", "sinkflex-stock", "sinkflex-fast", "sinkflex-
 
 
 def policy_model(path: str, attention: str, out_dir: str):
-    """The policy saved in ``path`` with ``attention``: "sdpa" (stock attention; refused for a policy
-    trained with sink attention, whose learned sinks would be dropped) or "sinkflex" with the tiny-cpu
-    preset's sinks, window and per-layer counts (``layer_sinks="auto"``: the policy's own counts, else
-    estimated on expert episodes; the estimate goes to ``out_dir``)."""
+    """The policy saved in ``path`` with ``attention``: "sdpa" (stock attention; a policy trained with
+    sink attention plays its weights with full attention, its sinks, window and learned sink logits
+    dropped, as a GRPO run with ``attention=sdpa, saved_attention=false`` starts it) or "sinkflex" with
+    its saved sink attention, else the tiny-cpu preset's sinks, window and per-layer counts
+    (``layer_sinks="auto"``: the policy's own counts, else estimated on expert episodes; the estimate
+    goes to ``out_dir``)."""
     from sinkflex_core import attention as A
     from sinkflex_core.models import load_policy, load_tokenizer
     from sinkflex_core.train import resolve_config, resolve_layer_sinks
 
     cfg = resolve_config("tiny-cpu", {"model": path, "out_dir": out_dir, "resume": False})
-    model = load_policy(path).eval()
     if attention == "sdpa":
-        if A.attention_settings(model) is not None:
-            raise SystemExit(f"{path} was trained with sink attention: time it with --runs sinkflex-...")
-        return model
+        return load_policy(path, saved_attention=A.attention_settings(path) is None).eval()
+    model = load_policy(path).eval()
     if A.attention_settings(model) is None:
         counts = resolve_layer_sinks(cfg, model, load_tokenizer(path))
         A.apply(model, n_sink=cfg.n_sink, window=cfg.window, learn_sinks=cfg.learn_sinks, layer_sinks=counts)

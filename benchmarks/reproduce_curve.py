@@ -40,6 +40,7 @@ from pathlib import Path
 import pandas as pd
 
 from sinkflex_core import sft, start, train
+from sinkflex_core.attention import attention_settings
 from sinkflex_core.paths import data_dir, repo_root
 
 PAPER_START, PAPER_END = train.PAPER_REWARD_START, train.PAPER_REWARD_END
@@ -175,23 +176,36 @@ def grpo_config(sft_dir: Path, seed: int, out_dir: Path, smoke: bool, threads: i
 ATTENTIONS = ("sinkflex", "sdpa")
 
 
+def run_overrides(sft_dir: Path, attention: str, overrides: dict) -> dict:
+    """The GRPO config overrides of the ``attention`` runs from the start in ``sft_dir``: ``overrides``
+    with that attention, and for ``sdpa`` from a start trained with sink attention its weights with full
+    attention (``saved_attention=false``: the trainer refuses to drop a start's learned sinks unasked)."""
+    over = {**overrides, "attention": attention}
+    if attention == "sdpa" and attention_settings(sft_dir) is not None:
+        over["saved_attention"] = "false"
+    return over
+
+
 def run_dir_of(out_root: Path, attention: str, seed: int) -> Path:
     return out_root / attention / f"grpo_seed{seed}"
 
 
 def start_test_rows(sft_dir: Path, attention: str, samples: int, tasks: int) -> pd.DataFrame:
-    """The start's held-out successes as the ``attention`` run starts it: full attention as saved for
-    ``sdpa``, the preset's sink attention for ``sinkflex`` (measured once per start and cached in its
-    ``test_rewards.csv`` by :func:`sinkflex_core.start.measure`)."""
-    from sinkflex_core.attention import attention_settings
+    """The start's held-out successes as the ``attention`` run starts it: full attention for ``sdpa``,
+    the preset's sink attention for ``sinkflex`` (a start trained with sink attention: its own, and its
+    weights with full attention for ``sdpa``), measured once per start and cached in its
+    ``test_rewards.csv`` by :func:`sinkflex_core.start.measure`."""
     from sinkflex_core.train.evaluate import attention_label
 
     if attention_settings(sft_dir) is None and not (sft_dir / "sinkflex_sinks.json").is_file():
         start.estimate_sinks(sft_dir)  # a start trained here: its per-layer sink counts, as the runs estimate them
     start.measure(sft_dir, test_samples=samples, screen_samples=0, test_tasks=tasks, progress=False)
     table = pd.read_csv(sft_dir / "test_rewards.csv", dtype={"policy_digest": str})
-    saved = attention_settings(sft_dir) is not None  # a start trained with sink attention plays with its own
-    label = "saved" if attention == "sdpa" or saved else attention_label(start.sink_settings(sft_dir))
+    saved = attention_settings(sft_dir) is not None  # a start trained with sink attention plays with its own,
+    if saved:  # and its full-attention runs start from its weights with full attention (saved_attention=false)
+        label = "saved" if attention == "sinkflex" else "full"
+    else:
+        label = "saved" if attention == "sdpa" else attention_label(start.sink_settings(sft_dir))
     rows = table[(table["attention"] == label) & (table["tries"] == samples)]
     if rows["task"].nunique() != tasks:
         raise RuntimeError(f"{sft_dir / 'test_rewards.csv'} has no {tasks} x {samples} rows for {label}")
@@ -298,8 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             run_dir.mkdir(parents=True, exist_ok=True)
             log = open(run_dir / f"{kind}.log", "a")
             if kind == "train":
-                over = {**overrides, "attention": attention}
-                cfg = grpo_config(sft_dir, seed, run_dir, args.smoke, threads, over)
+                cfg = grpo_config(sft_dir, seed, run_dir, args.smoke, threads, run_overrides(sft_dir, attention, overrides))
                 cfg_path = run_dir / "requested_config.json"
                 cfg_path.write_text(json.dumps(cfg.to_dict(), indent=1))
                 cmd = [sys.executable, "-m", "sinkflex_core.train", "--config", str(cfg_path)]

@@ -3,15 +3,18 @@
 The paper starts GRPO from an instruct checkpoint (Qwen2.5-7B-Instruct). Nothing here downloads
 weights, so the repository ships its own start: a tiny Qwen2 trained on the retail oracle's episodes
 by the SFT recipe of :mod:`sinkflex_core.sft` (:class:`~sinkflex_core.sft.SFTConfig`'s defaults for
-:data:`RECIPE`'s steps), then the lookup stage's rounds (:data:`LOOKUP_ROUNDS`) and the zip stage
-(:data:`ZIP_DRILLS`, :data:`ZIP_ROUND_STEPS`): ``--lookup-stage --zip-stage`` below. It lives in
-``data/retail-tiny-start/`` with what GRPO needs beside the weights:
+:data:`RECIPE`'s steps), then the lookup stage's rounds (:data:`LOOKUP_ROUNDS`), the zip stage
+(:data:`ZIP_DRILLS`, :data:`ZIP_ROUND_STEPS`) and last the sink stage, trained with the sink attention
+GRPO's ``tiny-cpu`` preset plays it with (:func:`sink_stage_config`, :data:`SINK_STAGE_STEPS`):
+``--lookup-stage --zip-stage --sink-stage`` below. It lives in ``data/retail-tiny-start/`` with what GRPO
+needs beside the weights:
 
-- ``sinkflex_sinks.json``: the per-layer sink counts estimated from this policy
-  (:func:`sinkflex_core.attention.estimate_layer_sinks` on expert episodes of the training split), which
-  the ``tiny-cpu`` preset's sink attention uses;
+- ``sinkflex_sinks.json``: the per-layer sink counts estimated from this policy (with a sink stage: from
+  the stage before it, which it trained with; :func:`sinkflex_core.attention.estimate_layer_sinks` on
+  expert episodes of the training split), which the ``tiny-cpu`` preset's sink attention uses;
 - ``test_rewards.csv``: every test task played ``--test-samples`` times, with full attention and with
-  the preset's sink attention (the start's reward; column ``attention``);
+  the preset's sink attention (the start's reward; column ``attention``; a start trained with sink
+  attention: with its own and with its weights under full attention);
 - ``train_screen.csv``: the training tasks played ``--screen-samples`` times with the preset's
   attention, the screen GRPO trains on (:func:`sinkflex_core.train.screened_tasks`);
 - ``recipe/``: the SFT's config and history (each stage's, with ``--identity-stage`` and ``--sink-stage``);
@@ -20,12 +23,12 @@ by the SFT recipe of :mod:`sinkflex_core.sft` (:class:`~sinkflex_core.sft.SFTCon
   :func:`sinkflex_core.models.load_policy` restores;
 - ``README.md``: the model card, written from the files above.
 
-Regenerate it (about four hours on 2 cores; each finished part is reused when run again)::
+Regenerate it (about four and a half hours on 2 cores; each finished part is reused when run again)::
 
-    python -m sinkflex_core.start --lookup-stage --zip-stage  # the shipped start -> data/retail-tiny-start
+    python -m sinkflex_core.start --lookup-stage --zip-stage --sink-stage  # the shipped start
+    python -m sinkflex_core.start --lookup-stage --zip-stage  # the start shipped before, without the sink stage
     python -m sinkflex_core.start                    # the first SFT stage alone
-    python -m sinkflex_core.start --sink-stage       # ending with a stage on the preset's sink attention
-    python -m sinkflex_core.start --lookup-stage --zip-stage --sink-stage  # the shipped start + a sink stage
+    python -m sinkflex_core.start --sink-stage       # the first stage, then a stage on the preset's sink attention
     python -m sinkflex_core.start --lookup-stage     # + two rounds drilling the tool calls' lookups
     python -m sinkflex_core.start --card-only        # rewrite README.md from the files in the folder
 """
@@ -68,6 +71,16 @@ def sink_settings(folder: str | Path | None = None) -> dict:
     cfg = resolve_config("tiny-cpu")
     return {"n_sink": cfg.n_sink, "window": cfg.window, "learn_sinks": cfg.learn_sinks,
             "layer_sinks": str(folder / "sinkflex_sinks.json")}
+
+
+def preset_sinks(folder: str | Path | None = None) -> dict | None:
+    """The ``sinks=`` with which :func:`sinkflex_core.train.success_table` (and ``screen_or_reuse``) play
+    the start in ``folder`` as a ``tiny-cpu`` run starts it: None for a start saved with sink attention
+    (the sink stage: it plays its own, saved attention), else :func:`sink_settings`."""
+    from . import attention
+
+    folder = Path(folder) if folder is not None else start_dir()
+    return None if attention.attention_settings(folder) is not None else sink_settings(folder)
 
 
 def estimate_sinks(policy_dir: str | Path) -> Path:
@@ -121,32 +134,36 @@ def recipe_stages(out: Path) -> list[tuple[str, dict, pd.DataFrame]]:
 def measure(out: Path, test_samples: int = 8, screen_samples: int = 4, progress: bool = True,
             test_tasks: int = 0, screen_tasks: int = 0) -> None:
     """Write ``test_rewards.csv`` (the first ``test_tasks`` test tasks, 0: all; full attention and the
-    preset's sink attention, or only the saved attention of a start trained with sink attention) and
+    preset's sink attention, or, for a start trained with sink attention, its saved attention and its
+    weights under full attention, column ``attention`` ``saved`` and ``full``) and
     ``train_screen.csv`` (the first ``screen_tasks`` training tasks, 0: all; the preset's attention;
     ``screen_samples`` 0: no screen) into ``out``, each part skipped when its file already holds these
     weights."""
     import pandas as pd
 
-    from . import attention
     from .train import count_tasks, policy_digest, screen_or_reuse, success_table
     from .train.evaluate import attention_label
 
     digest = policy_digest(out)
-    # a start trained with the preset's sink attention (the sink stage) is played with its own, saved one
-    sinks = sink_settings(out) if attention.attention_settings(out) is None else None
+    # a start trained with the preset's sink attention (the sink stage) is played with its own, saved one,
+    # and with its weights under full attention (as a full-attention GRPO run starts it: saved_attention=false)
+    sinks = preset_sinks(out)
+    saved = sinks is None
+    plays = [({}, True), ({}, False)] if saved else [({}, True), ({"sinks": sinks}, True)]
     n_test = test_tasks or count_tasks("sinkflex/Retail-v0", "test")
     path = out / "test_rewards.csv"
     old = pd.read_csv(path, dtype={"policy_digest": str}) if path.is_file() else None
     tables = []
-    for settings in (None, sinks) if sinks is not None else (None,):
-        label = attention_label(settings)
+    for settings, saved_attention in plays:
+        label = attention_label(settings.get("sinks"), saved_attention)
         if old is not None:
             part = old[(old["attention"] == label) & (old["policy_digest"] == digest) & (old["tries"] == test_samples)]
             if part["task"].nunique() == n_test:
                 tables.append(part)
                 continue
         t0 = time.perf_counter()
-        tables.append(success_table(out, "test", list(range(n_test)), test_samples, progress=progress, sinks=settings))
+        tables.append(success_table(out, "test", list(range(n_test)), test_samples, progress=progress,
+                                    saved_attention=saved_attention, **settings))
         mean = tables[-1]["successes"].sum() / (n_test * test_samples)
         print(f"start: test reward {mean:.3f} ({label}; {(time.perf_counter() - t0) / 60:.1f} min)",
               file=sys.stderr, flush=True)
@@ -166,10 +183,10 @@ RECIPE = {"max_steps": 1000, "max_minutes": 240.0}
 
 #: Optimizer steps of the sink stage (``build(sink_stage=True)``): the last full-attention stage continued
 #: with the ``tiny-cpu`` preset's sink attention, so that the start learns under the attention GRPO plays
-#: it with. Switching the shipped start (the four zip rounds) to that attention untrained costs it 0.035 on
-#: the 120 test tasks x 8 (0.192 -> 0.157); 300 steps of the sink stage on it scored 0.220, above its 0.192
-#: with full attention, and 600 steps 0.208 (docs/experiments.md). On the one-stage start of 0.016 it had
-#: changed nothing.
+#: it with. Switching the four zip rounds' policy to that attention untrained costs it 0.035 on the 120
+#: test tasks x 8 (0.192 -> 0.157); 300 steps of the sink stage on it scored 0.220, above its 0.192 with
+#: full attention, and 600 steps 0.208 (docs/experiments.md): the shipped start is the 300 steps. On the
+#: one-stage start of 0.016 it had changed nothing.
 SINK_STAGE_STEPS = 300
 
 
@@ -338,8 +355,10 @@ def card_text(out: Path) -> str:
     for label, t in tests.groupby("attention", sort=False):
         mean, lo, hi = _interval(t["successes"], t["tries"])
         row = t.iloc[0]
-        what = f"sink attention {label}" if label != "saved" else \
-            ("full attention" if saved_attention is None else "its saved sink attention")
+        if label == "saved":
+            what = "full attention" if saved_attention is None else "its saved sink attention"
+        else:
+            what = "its weights under full attention" if label == "full" else f"sink attention {label}"
         lines.append(f"- Test reward with {what}: **{mean:.3f}** (95 % bootstrap interval over tasks "
                      f"{lo:.3f}-{hi:.3f}), all {t['task'].nunique()} test tasks x {int(row['tries'])} episodes, "
                      f"temperature 1; {row['minutes']} minutes on {row['hardware']}, commit {row['git_sha']}.")
@@ -349,20 +368,24 @@ def card_text(out: Path) -> str:
     if screen_path.is_file():
         screen = pd.read_csv(screen_path, dtype={"git_sha": str, "policy_digest": str})
         some = int(((screen["successes"] > 0) & (screen["successes"] < screen["tries"])).sum())
+        played = screen["attention"].iloc[0]
+        if played == "saved":
+            played = "full attention" if saved_attention is None else "its saved sink attention"
         lines.append(f"- Training tasks solved sometimes but not always ({int(screen['tries'].iloc[0])} episodes "
-                     f"each, {screen['attention'].iloc[0]}): {some} of {len(screen)}; the screen GRPO trains on "
+                     f"each, {played}): {some} of {len(screen)}; the screen GRPO trains on "
                      "(`train_screen.csv`).")
-    lines += ["- The paper's start, Qwen2.5-7B-Instruct, scores 0.25 on its retail tasks. This policy is far "
-              "below that: it has learned the conversations' form and the tool calls, and it rarely copies every "
-              "value of a task right (`docs/experiments.md` says what limits a model trained from scratch here). "
+    lines += ["- The paper's start, Qwen2.5-7B-Instruct, scores 0.25 on its retail tasks. This policy has "
+              "learned the conversations' form and the tool calls; its successes are read-only questions, "
+              "cancellations and a few payment changes, and it rarely picks every value a task that changes an "
+              "address or items needs (`docs/experiments.md` says what limits a model trained from scratch here). "
               "The two numbers are of different models on different task sets, not comparable as a percentage.",
               "",
               "## Regenerate", "", "```", "python -m sinkflex_core.start"
               + "".join(f" --{flag}" for flag, stage in (("identity-stage", "sft_identity"),
                                                           ("lookup-stage", "sft_lookup"),
-                                                          ("zip-stage", "sft_zip_drills"))
-                        if any(label.endswith(f"_{stage}") for label, _, _ in stages))
-              + (" --sink-stage" if saved_attention is not None else ""), "```", "",
+                                                          ("zip-stage", "sft_zip_drills"),
+                                                          ("sink-stage", "sft_sink"))
+                        if any(label.endswith(f"_{stage}") for label, _, _ in stages)), "```", "",
               "It generates the oracle's expert episodes and runs the copy warm-up (together about a quarter "
               "of an hour on 2 cores), the SFT and the measurements above, whose minutes each line gives "
               "(measured on a shared machine: idle cores are faster). Finished parts are reused when run "

@@ -10,6 +10,7 @@ import re
 import pandas as pd
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 
 from sinkflex_core import attention as A
 from sinkflex_core import start, train
@@ -22,15 +23,22 @@ needs_shipped = pytest.mark.skipif(not (SHIPPED / "model.safetensors").is_file()
 
 
 @needs_shipped
-def test_shipped_start_is_small_loads_and_has_one_sink_count_per_layer():
+def test_shipped_start_is_small_and_loads_with_the_presets_sink_attention_it_trained_with():
     size = sum(p.stat().st_size for p in SHIPPED.rglob("*") if p.is_file())
     assert size <= 25 * 2**20, f"the start folder holds {size / 2**20:.1f} MiB"
     model = load_policy(SHIPPED)
-    assert A.attention_settings(model) is None  # trained with full attention
     counts = A.load_layer_sinks(SHIPPED)
     assert len(counts) == model.config.num_hidden_layers and all(1 <= c <= 16 for c in counts)
-    A.apply(model, **start.sink_settings(SHIPPED))
-    assert [A._layer_settings(m)[0] for m in A._attention_modules(model)] == counts
+    # its last stage trained with the tiny-cpu preset's sink attention and those counts: loading restores it
+    preset = train.resolve_config("tiny-cpu")
+    assert A.attention_settings(model) == {"n_sink": preset.n_sink, "window": preset.window, "layer_sinks": counts,
+                                           "learn_sinks": preset.learn_sinks}
+    assert [A._layer_settings(m) for m in A._attention_modules(model)] == [(c, preset.window) for c in counts]
+    # its learned sink logits are loaded, not the initial ones, and full attention drops them
+    learned = A.sink_parameters(model)
+    assert len(learned) == len(counts) and any((p - A.hf.DEFAULT_SINK_LOGIT).abs().max() > 1e-3 for p in learned)
+    plain = load_policy(SHIPPED, saved_attention=False)
+    assert A.attention_settings(plain) is None and not A.sink_parameters(plain)
 
 
 @needs_shipped
@@ -40,7 +48,8 @@ def test_shipped_card_states_the_measured_rewards_and_the_weights_digest():
     tests = pd.read_csv(SHIPPED / "test_rewards.csv", dtype={"policy_digest": str})
     assert set(tests["policy_digest"]) == {train.policy_digest(SHIPPED)}
     labels = list(dict.fromkeys(tests["attention"]))
-    assert labels[0] == "saved" and labels[1].startswith("sinkflex(") and len(labels) == 2
+    # a start trained with sink attention: its own, then its weights under full attention
+    assert labels == ["saved", "full"]
     stated = [float(x) for x in re.findall(r"Test reward with [^:]+: \*\*([0-9.]+)\*\*", card)]
     for label, value in zip(labels, stated, strict=True):
         t = tests[tests["attention"] == label]
@@ -195,6 +204,43 @@ def test_measure_plays_full_and_sink_attention_and_reuses_finished_parts(random_
     tests[tests["attention"] == "saved"].to_csv(random_start / "test_rewards.csv", index=False)
     start.measure(random_start, test_samples=1, screen_samples=1, progress=False, test_tasks=2, screen_tasks=2)
     assert len(calls) == 4 and calls[-1] is not None
+
+
+def test_measure_plays_a_start_trained_with_sink_attention_with_it_and_with_full_attention(tmp_path, monkeypatch):
+    folder = tmp_path / "sink_start"
+    tok = get_tokenizer()
+    model = build_model(tiny_qwen2_config(len(tok), hidden_size=64, num_layers=2, tokenizer=tok), seed=5)
+    A.apply(model, n_sink=4, window=768, learn_sinks=True, layer_sinks=[4, 4])
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    A.save_attention_settings(model, folder)
+    A.save_layer_sinks(A.SinkEstimate(mass=[[0.5], [0.5]], n_sink=[4, 4], threshold=0.05, min_sinks=4,
+                                      max_sinks=16, query_start=16, num_sequences=1, sequence_length=32), folder)
+    calls = []
+    real = train.success_table
+
+    def counted(*args, **kwargs):
+        calls.append((kwargs.get("sinks"), kwargs.get("saved_attention", True)))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train, "success_table", counted)
+    monkeypatch.setattr(train.evaluate, "success_table", counted)
+    start.measure(folder, test_samples=1, screen_samples=1, progress=False, test_tasks=2, screen_tasks=2)
+    tests = pd.read_csv(folder / "test_rewards.csv")
+    assert list(dict.fromkeys(tests["attention"])) == ["saved", "full"]
+    assert calls == [(None, True), (None, False), (None, True)]  # the screen: its own attention
+    assert set(pd.read_csv(folder / "train_screen.csv")["attention"]) == {"saved"}
+    # the recording starts its sink-attention runs from the first and its full-attention runs from the second
+    curve = load_benchmark("reproduce_curve")
+    assert set(curve.start_test_rows(folder, "sinkflex", 1, 2)["attention"]) == {"saved"}
+    assert set(curve.start_test_rows(folder, "sdpa", 1, 2)["attention"]) == {"full"}
+    assert len(calls) == 3  # both cached
+    # ... and its runs resolve to those two attentions: the trainer would refuse sdpa on these weights unasked
+    for attention, saved in (("sinkflex", True), ("sdpa", False)):
+        cfg = curve.grpo_config(folder, 0, tmp_path / attention, False, 1, curve.run_overrides(folder, attention, {}))
+        assert (cfg.attention, cfg.saved_attention) == (attention, saved)
+    with pytest.raises(train.ConfigError, match="saved_attention=false"):
+        train.Trainer(curve.grpo_config(folder, 0, tmp_path / "refused", False, 1, {"attention": "sdpa"}))
 
 
 TINY_RECIPE = dict(hidden_size=64, num_layers=2, max_total_tokens=512, max_turns=2, max_new_tokens_per_turn=8,

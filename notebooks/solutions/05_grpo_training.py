@@ -69,9 +69,10 @@ assert ((p**8 + (1 - p) ** 8)[kept] < 1).all() and (p[~kept].isin([0.0, 1.0])).a
 # %% [markdown]
 # ## Exercise 2 · A sampler that is not the trainer
 #
-# One oracle episode per test task, teacher-forced through the shipped start policy twice: with full
-# attention (the sampler, as vLLM samples on the paper preset) and with the tiny-cpu preset's sink attention
-# (the trainer). `old_logp` is the trainer's log-prob of each token, `behaviour_logp` the sampler's.
+# One oracle episode per test task, teacher-forced through the shipped start policy's weights twice: with
+# full attention (the sampler, as vLLM samples on the paper preset) and with sink attention (the trainer;
+# both without the learned sink logits the start carries, so that the window alone makes the difference).
+# `old_logp` is the trainer's log-prob of each token, `behaviour_logp` the sampler's.
 
 # %%
 start_dir = start.start_dir()
@@ -94,7 +95,7 @@ def padded(rows: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-sampler = models.load_policy(start_dir)  # saved with full attention
+sampler = models.load_policy(start_dir, saved_attention=False)  # its weights with full attention
 behaviour = padded([token_logprobs(sampler, e["input_ids"]) for e in episodes])
 mask = padded([e["loss_mask"].float() for e in episodes])
 mask[:, 0] = 0
@@ -103,8 +104,8 @@ print(f"{'window':>6} {'mean |gap|':>10} {'outside clip band':>17} {'tis_cap':>7
       f"{'tis_weight_mean':>15}")
 results = {}
 for window in (256, cfg.window, 2048):  # a short window, the preset's, one that holds every episode
-    trainer_lm = attention.apply(models.load_policy(start_dir), n_sink=cfg.n_sink, window=window,
-                                 layer_sinks=start_dir, learn_sinks=True)
+    trainer_lm = attention.apply(models.load_policy(start_dir, saved_attention=False), n_sink=cfg.n_sink,
+                                 window=window, layer_sinks=start_dir, learn_sinks=True)
     old = padded([token_logprobs(trainer_lm, e["input_ids"]) for e in episodes])
     on = mask.bool()
     gap = float((old - behaviour)[on].abs().mean())
@@ -125,16 +126,17 @@ assert results[2048, 0.0][0] < 1e-3 < results[256, 0.0][0]
 assert results[256, 1.2][1]["tis_weight_mean"] <= results[256, 0.0][1]["tis_weight_mean"]
 
 # %% [markdown]
-# With a window of 256 keys, the sink-attention trainer and a full-attention sampler disagree by about 0.44
-# nats per policy token on these episodes of 547 to 824 tokens, and about one token in eleven already lies
+# With a window of 256 keys, the sink-attention trainer and a full-attention sampler disagree by about 0.19
+# nats per policy token on these episodes of 547 to 824 tokens, and about one token in twenty already lies
 # outside the clip band before any update: PPO's clip would treat the sampler's episodes as if the policy had
-# moved. Untruncated, a few tokens get enormous weights (the sampler liked them far more than the trainer,
-# which sees less of the episode, does), and they alone lift `tis_weight_mean` far above 1; `tis_cap` 2 or
-# 1.2 bounds them, and `tis_clip_frac` counts the tokens it touched (under 1 %). The preset's window, 768
-# keys, holds all of three of these episodes and all but the last 56 tokens of the fourth: the gap is float
+# moved. Untruncated, the behaviour weights of these episodes stay below 2 (the shipped start's last stage
+# trained under a 768-key window, so it leans on far keys less than a start trained with full attention,
+# where the same gap was 0.44 nats and a few tokens got enormous weights); `tis_cap` 1.2 bounds the
+# largest, and `tis_clip_frac` counts the tokens it touched (under 1 %). The preset's window, 768 keys,
+# holds all of three of these episodes and all but the last 56 tokens of the fourth: the gap is float
 # rounding, as with a window of 2,048 that holds every episode. The preset's window is that long because
-# the shipped start needs it (docs/experiments.md: played with 256 keys it solves a tenth of what it solves
-# with full attention). This is why the tiny-cpu preset samples with the trainer's own attention
+# the starts trained with full attention needed it (docs/experiments.md: an earlier start played with 256
+# keys solved a tenth of what it solved with full attention). This is why the tiny-cpu preset samples with the trainer's own attention
 # (`logp_gap_rollout` near 0), and why a run whose sampler differs should log these two columns.
 
 # %% [markdown]
