@@ -201,11 +201,11 @@ def start_test_rows(sft_dir: Path, attention: str, samples: int, tasks: int) -> 
         start.estimate_sinks(sft_dir)  # a start trained here: its per-layer sink counts, as the runs estimate them
     start.measure(sft_dir, test_samples=samples, screen_samples=0, test_tasks=tasks, progress=False)
     table = pd.read_csv(sft_dir / "test_rewards.csv", dtype={"policy_digest": str})
-    saved = attention_settings(sft_dir) is not None  # a start trained with sink attention plays with its own,
-    if saved:  # and its full-attention runs start from its weights with full attention (saved_attention=false)
-        label = "saved" if attention == "sinkflex" else "full"
-    else:
-        label = "saved" if attention == "sdpa" else attention_label(start.sink_settings(sft_dir))
+    sinks = start.preset_sinks(sft_dir)  # None: a start trained with sink attention, played with its own
+    if attention == "sinkflex":
+        label = attention_label(sinks)
+    else:  # a sink-trained start's full-attention runs start from its weights with full attention
+        label = "saved" if sinks is not None else "full"
     rows = table[(table["attention"] == label) & (table["tries"] == samples)]
     if rows["task"].nunique() != tasks:
         raise RuntimeError(f"{sft_dir / 'test_rewards.csv'} has no {tasks} x {samples} rows for {label}")
