@@ -148,14 +148,13 @@ def measure(out: Path, test_samples: int = 8, screen_samples: int = 4, progress:
     # a start trained with the preset's sink attention (the sink stage) is played with its own, saved one,
     # and with its weights under full attention (as a full-attention GRPO run starts it: saved_attention=false)
     sinks = preset_sinks(out)
-    saved = sinks is None
-    plays = [({}, True), ({}, False)] if saved else [({}, True), ({"sinks": sinks}, True)]
+    plays = [(None, True), (None, False)] if sinks is None else [(None, True), (sinks, True)]
     n_test = test_tasks or count_tasks("sinkflex/Retail-v0", "test")
     path = out / "test_rewards.csv"
     old = pd.read_csv(path, dtype={"policy_digest": str}) if path.is_file() else None
     tables = []
     for settings, saved_attention in plays:
-        label = attention_label(settings.get("sinks"), saved_attention)
+        label = attention_label(settings, saved_attention)
         if old is not None:
             part = old[(old["attention"] == label) & (old["policy_digest"] == digest) & (old["tries"] == test_samples)]
             if part["task"].nunique() == n_test:
@@ -163,7 +162,7 @@ def measure(out: Path, test_samples: int = 8, screen_samples: int = 4, progress:
                 continue
         t0 = time.perf_counter()
         tables.append(success_table(out, "test", list(range(n_test)), test_samples, progress=progress,
-                                    saved_attention=saved_attention, **settings))
+                                    sinks=settings, saved_attention=saved_attention))
         mean = tables[-1]["successes"].sum() / (n_test * test_samples)
         print(f"start: test reward {mean:.3f} ({label}; {(time.perf_counter() - t0) / 60:.1f} min)",
               file=sys.stderr, flush=True)
