@@ -26,14 +26,20 @@ def _parse_param(text: str) -> tuple[str, object]:
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"parameter must look like name=value, got {text!r}")
     name, value = text.split("=", 1)
+    name = name.strip()
+    if not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"parameter name {name!r} is not a Python name")
     try:
-        return name.strip(), ast.literal_eval(value)
+        return name, ast.literal_eval(value.strip())
     except (ValueError, SyntaxError):
-        return name.strip(), value
+        pass
+    # the spellings a shell user types for Python's True, False and None; anything else is a string
+    words = {"true": True, "false": False, "none": None}
+    return name, words.get(value.strip().lower(), value)
 
 
 def _cmd_notebooks(args) -> int:
-    from .notebooks import list_notebooks, store_outputs
+    from .notebooks import list_notebooks, select, store_outputs
 
     if args.action == "list":
         for nb in list_notebooks():
@@ -41,11 +47,14 @@ def _cmd_notebooks(args) -> int:
             print(f"{nb.name}\n    {nb.title}\n    parameters: {params or '(none)'}")
         return 0
     # store: refresh the stored (smoke-mode) outputs that nbval compares against
-    names = args.names or [nb.name for nb in list_notebooks()]
-    for nb in list_notebooks():
-        if any(nb.name.startswith(n) for n in names):
-            print(f"storing smoke-mode outputs of {nb.name}", flush=True)
-            store_outputs(nb.path)
+    try:
+        chosen = select(args.names)
+    except ValueError as err:
+        print(f"sinkflex notebooks store: {err}", file=sys.stderr)
+        return 2
+    for nb in chosen:
+        print(f"storing smoke-mode outputs of {nb.name}", flush=True)
+        store_outputs(nb.path)
     return 0
 
 
@@ -100,7 +109,11 @@ def _tracked_changes(root) -> dict[str, str]:
 def _cmd_docs(args) -> int:
     from .notebooks import render_html
 
-    pages = render_html(args.out, args.only)
+    try:
+        pages = render_html(args.out, args.only)
+    except ValueError as err:
+        print(f"sinkflex docs: {err}", file=sys.stderr)
+        return 2
     solutions = sum(page.parent.name == "solutions" for page in pages[1:])
     print(f"{len(pages) - 1 - solutions} lessons rendered, with {solutions} solutions pages; open {pages[0]}")
     return 0
@@ -127,13 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     nb = sub.add_parser("notebooks", help="list the tutorials, or refresh their stored outputs")
     nb.add_argument("action", choices=["list", "store"])
-    nb.add_argument("names", nargs="*", help="notebook name prefixes for `store` (default: all)")
+    nb.add_argument("names", nargs="*", help="notebooks for `store`, by number or name prefix (default: all)")
     nb.set_defaults(func=_cmd_notebooks)
 
     rp = sub.add_parser("reproduce", help="run every notebook headless with papermill")
-    rp.add_argument("--only", nargs="+", help="notebook name prefixes, e.g. 00 03")
+    rp.add_argument("--only", nargs="+", help="notebooks by number or name prefix, e.g. 00 03 (or 0 3)")
     rp.add_argument("-p", "--param", action="append", type=_parse_param, metavar="NAME=VALUE",
-                    help="notebook parameter, passed to every notebook that declares it")
+                    help="notebook parameter as a Python literal (true/false/none also read), passed to "
+                         "every notebook that declares it; refused when none declares it or its kind differs")
     rp.add_argument("--smoke", action="store_true", help="run in smoke mode (seconds per notebook)")
     rp.add_argument("--force", action="store_true", help="re-run notebooks even if nothing changed")
     rp.set_defaults(func=_cmd_reproduce)
@@ -145,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     dc = sub.add_parser("docs", help="render the stored lessons to HTML (build/docs/index.html)")
     dc.add_argument("--out", type=Path, default=None, help="output folder (default: build/docs)")
-    dc.add_argument("--only", nargs="+", help="notebook name prefixes, e.g. 01 05")
+    dc.add_argument("--only", nargs="+", help="notebooks by number or name prefix, e.g. 01 05")
     dc.set_defaults(func=_cmd_docs)
 
     ev = sub.add_parser("env", help="versions, device, FlexAttention and vLLM status")

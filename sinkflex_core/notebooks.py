@@ -95,6 +95,81 @@ def list_notebooks(folder: Path | None = None) -> list[NotebookInfo]:
     return [describe(p) for p in sorted(folder.iterdir()) if _NOTEBOOK_RE.match(p.name)]
 
 
+def _matches(name: str, ident: str) -> bool:
+    """A notebook id: digits name the notebook of that number (``5`` and ``05`` are
+    ``05_grpo_training.ipynb``, ``0`` is ``00_setup.ipynb``, not every notebook); anything else is a
+    prefix of the file name (``05_grpo``)."""
+    ident = ident.strip()
+    if ident.isdigit():
+        return name[:2].isdigit() and int(name[:2]) == int(ident)
+    return bool(ident) and name.startswith(ident)
+
+
+def select(only: list[str] | None, notebooks: list[NotebookInfo] | None = None) -> list[NotebookInfo]:
+    """The notebooks ``only`` names (all when it is empty), in run order. Raises ``ValueError`` naming
+    every id that matches no notebook, so that a typo never silently skips a lesson."""
+    notebooks = list_notebooks() if notebooks is None else notebooks
+    if not only:
+        return notebooks
+    unknown = [o for o in only if not any(_matches(nb.name, o) for nb in notebooks)]
+    if unknown:
+        raise ValueError(f"no notebook matches {', '.join(map(repr, unknown))}; the notebooks are "
+                         f"{', '.join(nb.name for nb in notebooks)} (`sinkflex notebooks list`)")
+    return [nb for nb in notebooks if any(_matches(nb.name, o) for o in only)]
+
+
+def _kind(value) -> str:
+    if isinstance(value, bool):
+        return "a boolean (True or False)"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    return "a string" if isinstance(value, str) else type(value).__name__
+
+
+def _fits(default, value) -> bool:
+    """Whether ``value`` can stand for a parameter whose default is ``default``."""
+    if default is None:
+        return True
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(default, bool) and isinstance(value, bool)
+    if isinstance(default, int):
+        return isinstance(value, int)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    if isinstance(default, (list, tuple)):
+        if not isinstance(value, (list, tuple)):
+            return False
+        kinds = {type(d) for d in default}
+        return len(kinds) != 1 or all(_fits(default[0], v) for v in value)
+    return isinstance(value, type(default))
+
+
+def check_parameters(notebooks: list[NotebookInfo], parameters: dict) -> None:
+    """Refuse (``ValueError``) a parameter that none of ``notebooks`` declares, or whose value is not of
+    the kind of a declaring notebook's default (``train_start='false'``, a string, where a boolean is
+    declared), before anything runs: papermill would pass either on silently."""
+    problems = []
+    for name, value in parameters.items():
+        declaring = [nb for nb in notebooks if name in nb.parameters]
+        if not declaring:
+            known = sorted({k for nb in notebooks for k in nb.parameters})
+            problems.append(f"{name!r} is a parameter of none of the notebooks run "
+                            f"({', '.join(nb.name for nb in notebooks)}); theirs: {', '.join(known)}")
+            continue
+        for nb in declaring:
+            default = nb.parameters[name]
+            if not _fits(default, value):
+                hint = (" (write a list as a Python literal, e.g. -p \"name=['a', 'b']\")"
+                        if isinstance(default, (list, tuple)) else "")
+                problems.append(f"{name}={value!r} is {_kind(value)}, but {nb.name} declares "
+                                f"{name} = {default!r}, {_kind(default)}{hint}")
+                break
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 def _library_digest() -> str:
     h = hashlib.sha256()
     pkg = Path(__file__).resolve().parent
@@ -170,18 +245,18 @@ def _fingerprint(path: Path, parameters: dict, smoke: bool) -> str:
 
 def reproduce(only: list[str] | None = None, parameters: dict | None = None, smoke: bool = False,
               force: bool = False, out_dir: Path | None = None, stream=sys.stdout) -> int:
-    """Run the notebooks in order (all, or those whose name starts with one of ``only``).
+    """Run the notebooks in order (all, or those ``only`` names: numbers or name prefixes, :func:`select`).
 
     Prints which notebook runs and how long it took; stops at the first failure with a message
     naming the notebook and cell. Returns a process exit code."""
-    notebooks = list_notebooks()
-    if only:
-        notebooks = [nb for nb in notebooks if any(nb.name.startswith(o) for o in only)]
-        if not notebooks:
-            print(f"no notebook matches {only}; `sinkflex notebooks list` shows them", file=stream)
-            return 2
-    out_dir = out_dir or build_dir() / "notebooks"
     parameters = parameters or {}
+    try:
+        notebooks = select(only)
+        check_parameters(notebooks, parameters)
+    except ValueError as err:
+        print(f"sinkflex reproduce: {err}", file=sys.stderr)
+        return 2
+    out_dir = out_dir or build_dir() / "notebooks"
     t_all = time.perf_counter()
     for i, nb in enumerate(notebooks, 1):
         params = {k: v for k, v in parameters.items() if k in nb.parameters}
@@ -251,9 +326,7 @@ def render_html(out_dir: Path | None = None, only: list[str] | None = None) -> l
     out_dir.mkdir(parents=True, exist_ok=True)
     exporter = HTMLExporter()
     pages, links = [], []
-    for info in list_notebooks():
-        if only and not any(info.name.startswith(o) for o in only):
-            continue
+    for info in select(only):
         body, _ = exporter.from_filename(str(info.path))
         solutions = info.path.parent / "solutions" / (info.path.stem + ".py")
         if solutions.is_file():  # the lesson links its script; the pages link the script's page

@@ -202,7 +202,7 @@ class SFTConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("train_tasks", "val_tasks", "warmup_steps", "min_steps", "threads", "schedule_steps",
                      "num_heads", "num_kv_heads", "copy_warmup_steps", "opening_copies",
-                     "recall_warmup_steps", "identity_warmup_steps", "identity_rows", "action_rows"):
+                     "recall_warmup_steps", "identity_warmup_steps", "identity_rows", "action_rows", "seed"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -535,11 +535,13 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     torch.manual_seed(cfg.seed)
     # one generator for every random draw, in a fixed order: a run is repeatable from cfg.seed
     rng = np.random.default_rng(cfg.seed)
+    out_dir = Path(cfg.out_dir) if save else None
+    if out_dir is not None:  # before the training it would otherwise lose at the end
+        _check_writable(out_dir)
     val_ids, n_train = _task_split(cfg)
     tokenizer, data, openings = _expert_data(cfg, n_train)
     policy = TokenLogprobs(_build_model(cfg, tokenizer))
     kit = _prepare(policy, cfg, tokenizer, data, openings, val_ids, rng)
-    out_dir = Path(cfg.out_dir) if save else None
     progress = _train_loop(policy, cfg, kit, rng, out_dir)
     model = policy.lm
     if cfg.keep_best and progress.best_state is not None:
@@ -552,6 +554,18 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
         _write_history(out_dir / "sft_history.csv", progress.history)
     return SFTResult(model=model, tokenizer=tokenizer, history=progress.history, steps=progress.step,
                      stopped_early=progress.stopped, out_dir=out_dir)
+
+
+def _check_writable(folder: Path) -> None:
+    """Create ``folder`` and write a file into it, or raise a :class:`ConfigError` saying why not."""
+    import tempfile
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise ConfigError(f"out_dir {str(folder)!r}: cannot write there ({err.strerror or err})") from None
 
 
 def _task_split(cfg: SFTConfig) -> tuple[list[int], int]:

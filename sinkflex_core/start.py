@@ -304,6 +304,14 @@ def measured_rewards(folder: str | Path | None = None):
     return pd.DataFrame(rows)
 
 
+def _play_words(label: str, saved_attention: dict | None) -> str:
+    """The attention a play of the start used (its ``attention`` column: ``saved``, ``full`` or a sink
+    attention's label from :func:`sinkflex_core.train.attention_label`), in words for the card."""
+    if label == "saved":
+        return "full attention" if saved_attention is None else "its saved sink attention"
+    return "its weights under full attention" if label == "full" else f"sink attention {label}"
+
+
 def card_text(out: Path) -> str:
     """The model card of the start in ``out``, from the files there."""
     import pandas as pd
@@ -354,11 +362,7 @@ def card_text(out: Path) -> str:
     for label, t in tests.groupby("attention", sort=False):
         mean, lo, hi = _interval(t["successes"], t["tries"])
         row = t.iloc[0]
-        if label == "saved":
-            what = "full attention" if saved_attention is None else "its saved sink attention"
-        else:
-            what = "its weights under full attention" if label == "full" else f"sink attention {label}"
-        lines.append(f"- Test reward with {what}: **{mean:.3f}** (95 % bootstrap interval over tasks "
+        lines.append(f"- Test reward with {_play_words(label, saved_attention)}: **{mean:.3f}** (95 % bootstrap interval over tasks "
                      f"{lo:.3f}-{hi:.3f}), all {t['task'].nunique()} test tasks x {int(row['tries'])} episodes, "
                      f"temperature 1; {row['minutes']} minutes on {row['hardware']}, commit {row['git_sha']}.")
         kinds = t.groupby("kind")["successes"].sum() / t.groupby("kind")["tries"].sum()
@@ -367,9 +371,7 @@ def card_text(out: Path) -> str:
     if screen_path.is_file():
         screen = pd.read_csv(screen_path, dtype={"git_sha": str, "policy_digest": str})
         some = int(((screen["successes"] > 0) & (screen["successes"] < screen["tries"])).sum())
-        played = screen["attention"].iloc[0]
-        if played == "saved":
-            played = "full attention" if saved_attention is None else "its saved sink attention"
+        played = _play_words(screen["attention"].iloc[0], saved_attention)
         lines.append(f"- Training tasks solved sometimes but not always ({int(screen['tries'].iloc[0])} episodes "
                      f"each, {played}): {some} of {len(screen)}; the screen GRPO trains on "
                      "(`train_screen.csv`).")

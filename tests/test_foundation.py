@@ -126,7 +126,52 @@ def test_cli_rejects_unknown_notebook_prefix(tmp_path):
     root = _fake_project(tmp_path, {"00_a.ipynb": [("code", "smoke = False", ["parameters"])]})
     out = _sinkflex(["reproduce", "--only", "99"], root)
     assert out.returncode == 2
-    assert "no notebook matches" in out.stdout
+    assert "no notebook matches" in out.stderr
+
+
+def test_reproduce_refuses_unknown_ids_and_parameters_before_running_anything(tmp_path):
+    made = "open('../ran_' + __import__('os').path.basename(__import__('os').getcwd()), 'a').write('x')"
+    root = _fake_project(tmp_path, {
+        "00_a.ipynb": [("code", "smoke = False\nflag = False", ["parameters"]), ("code", made, [])],
+        "01_b.ipynb": [("code", "smoke = False\nsizes = [1, 2]\nrate = 0.5", ["parameters"])],
+        "10_c.ipynb": [("code", "smoke = False", ["parameters"])],
+    })
+    refused = {
+        ("--only", "00", "7"): "'7'",  # one id of two matches nothing: refused, not half run
+        ("--only", "01", "-p", "flag=True"): "'flag' is a parameter of none",  # declared by 00 only
+        ("-p", "flga=True"): "'flga' is a parameter of none",
+        ("-p", "flag=yes"): "flag='yes' is a string, but 00_a.ipynb declares flag = False",
+        ("-p", "sizes=a,b"): "write a list as a Python literal",
+        ("-p", "sizes=['a']"): "sizes=['a'] is a list, but 01_b.ipynb",
+        ("-p", "rate=fast"): "rate='fast' is a string",
+    }
+    for args, message in refused.items():
+        out = _sinkflex(["reproduce", *args], root)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert message in out.stderr, (args, out.stderr)
+    assert not list(root.glob("ran_*")) and not (root / "build" / "notebooks").exists()
+
+
+def test_notebook_ids_are_numbers_or_name_prefixes_and_parameters_read_shell_words(tmp_path):
+    from sinkflex_core.cli import _parse_param
+    from sinkflex_core.notebooks import check_parameters, select
+
+    root = _fake_project(tmp_path, {name: [("code", "smoke = False\nrate = 0.5", ["parameters"])]
+                                    for name in ("00_a.ipynb", "01_b.ipynb", "10_c.ipynb")})
+    found = list_notebooks(root / "notebooks")
+    names = lambda only: [nb.name for nb in select(only, found)]  # noqa: E731
+    assert names(["0"]) == names(["00"]) == ["00_a.ipynb"]  # not every notebook whose name starts with 0
+    assert names(["1", "10"]) == ["01_b.ipynb", "10_c.ipynb"]
+    assert names(["01_b"]) == ["01_b.ipynb"] and len(names(None)) == 3
+    with pytest.raises(ValueError, match="'2'"):
+        select(["2"], found)
+    assert _parse_param("train_start=false") == ("train_start", False)
+    assert _parse_param("x=None") == ("x", None) and _parse_param("x=TRUE") == ("x", True)
+    assert _parse_param("tokens=[512, 1024]") == ("tokens", [512, 1024])
+    assert _parse_param("preset=tiny-cpu") == ("preset", "tiny-cpu")
+    check_parameters(found, {"rate": 1, "smoke": True})  # an int where a float is declared is fine
+    with pytest.raises(ValueError, match="a boolean"):
+        check_parameters(found, {"rate": True})
 
 
 def test_pyproject_keeps_cpu_machines_on_cpu_torch_and_lists_extras():
@@ -147,7 +192,10 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_no_absolute_machine_paths_in_tracked_files():
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True)
+    assert listed.returncode == 0, listed.stderr
+    files = [name for name in listed.stdout.split("\0") if name]
+    assert "pyproject.toml" in files and "sinkflex_core/__init__.py" in files and len(files) > 50, files[:20]
     pattern = re.compile(r"/(work|root|home/\w+)/[\w.-]+")
     offenders = []
     for name in files:

@@ -211,3 +211,62 @@ def test_a_sink_policy_plays_with_full_attention_only_when_asked(tokenizer_dir, 
         TrainConfig.from_dict({**run, "saved_attention": False})
     with pytest.raises(train.ConfigError, match="LoRA"):
         TrainConfig.from_dict({**run, "model": str(tmp_path / "sink"), "saved_attention": False, "lora": True})
+
+
+def test_a_full_attention_policy_saved_over_a_sink_policy_loads_with_full_attention(tokenizer_dir, tmp_path):
+    """A rerun into the same folder (``--no-resume``, or SFT into its default folder) with full attention
+    must not leave the earlier sink run's settings or sink logits to be read as the new policy's."""
+    from safetensors.torch import save_file
+
+    tok = get_tokenizer()
+    model = A.apply(build_model(tiny_qwen2_config(len(tok), hidden_size=64, num_layers=2, tokenizer=tok), seed=3),
+                    n_sink=2, window=8)
+    _move_sinks(model)
+    model.save_pretrained(tmp_path / "run" / "policy")
+    A.save_attention_settings(model, tmp_path / "run" / "policy")
+    save_file({"stale.sinkflex_sink_logits": torch.zeros(4)}, str(tmp_path / "run" / "policy" / "sink_logits.safetensors"))
+    assert A.attention_settings(tmp_path / "run" / "policy")["n_sink"] == 2
+    trainer = Trainer(TrainConfig.from_dict({**TINY, "attention": "sdpa", "tokenizer": tokenizer_dir,
+                                             "out_dir": str(tmp_path / "run")}))
+    folder = trainer.export_policy()
+    assert A.attention_settings(folder) is None
+    assert not (folder / A.SETTINGS_FILENAME).exists() and not (folder / "sink_logits.safetensors").exists()
+    loaded = load_policy(folder)
+    assert not A.sink_parameters(loaded) and loaded.config._attn_implementation == "sdpa"
+    ids, mask = _inputs(trainer.policy.lm.config.vocab_size)
+    with torch.no_grad():
+        expect = trainer.policy.lm.eval()(input_ids=ids, attention_mask=mask).logits
+        got = loaded(input_ids=ids, attention_mask=mask).logits
+    assert (got - expect)[mask.bool()].abs().max() < 1e-5
+
+
+def test_broken_attention_records_are_refused_naming_the_file(tokenizer_dir, tmp_path):
+    tok = get_tokenizer()
+    model = A.apply(build_model(tiny_qwen2_config(len(tok), hidden_size=64, num_layers=2, tokenizer=tok), seed=3),
+                    n_sink=2, window=8)
+    folder = tmp_path / "sink"
+    model.save_pretrained(folder)
+    A.save_attention_settings(model, folder)
+    tok.save_pretrained(folder)
+    record = folder / A.SETTINGS_FILENAME
+    for text, message in [('{"n_sink": 2, "win', "is not a JSON file"), ("[2, 8]", "not a JSON object"),
+                          ('{"window": 8}', "names no 'n_sink'"), ('{"n_sink": 2, "window": 0}', "is not valid"),
+                          ('{"n_sink": 2, "window": 8, "layer_sinks": [2, "x"]}', "is not valid")]:
+        record.write_text(text)
+        with pytest.raises(ValueError, match=message) as err:
+            load_policy(folder)
+        assert str(record) in str(err.value)
+        with pytest.raises(train.ConfigError, match=message):  # the trainer says it as a config error
+            Trainer(TrainConfig.from_dict({**TINY, "model": str(folder), "tokenizer": tokenizer_dir,
+                                           "out_dir": str(tmp_path / "run")}))
+    A.save_attention_settings(model, folder)
+    counts = tmp_path / "counts.json"
+    for text in ('{"n_sink": [2, ', '{"n_sink": [2, true]}', '{"n_sink": 2}', "[]"):
+        counts.write_text(text)
+        with pytest.raises(train.ConfigError, match="counts.json"):
+            Trainer(TrainConfig.from_dict({**TINY, "model": str(folder), "tokenizer": tokenizer_dir,
+                                           "layer_sinks": str(counts), "out_dir": str(tmp_path / "run")}))
+    counts.write_text('{"n_sink": [2, 2, 2]}')  # a count per layer of another model
+    with pytest.raises(train.ConfigError, match="sink attention"):
+        Trainer(TrainConfig.from_dict({**TINY, "model": str(folder), "tokenizer": tokenizer_dir,
+                                       "layer_sinks": str(counts), "out_dir": str(tmp_path / "run")}))

@@ -82,6 +82,17 @@ def test_bad_sft_config_is_refused():
     with pytest.raises(train.ConfigError, match="batch_tokens must be a positive integer"):
         sft.SFTConfig(batch_tokens=0).validate()
     assert sft.main(["--max-minutes", "-1"]) == 2
+    with pytest.raises(train.ConfigError, match="seed must be an integer >= 0"):
+        sft.SFTConfig(seed=-1).validate()
+
+
+def test_an_out_dir_that_cannot_be_written_is_refused_before_training(tmp_path, monkeypatch):
+    taken = tmp_path / "a_file"
+    taken.write_text("not a folder")
+    monkeypatch.setattr(sft, "_task_split", lambda cfg: pytest.fail("training started"))
+    with pytest.raises(train.ConfigError, match="cannot write there"):
+        sft.train_sft(sft.SFTConfig(out_dir=str(taken / "policy")))
+    assert taken.read_text() == "not a folder"
 
 
 def test_context_loss_weighs_expert_tokens_one_and_other_real_tokens_w(tokenizer):

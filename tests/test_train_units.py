@@ -77,11 +77,43 @@ def test_cli_overrides_flags_and_set(tmp_path):
     (["--steps", "2.5"], "cannot read '2.5' as int"),
     (["--steps", "inf"], "cannot read 'inf' as int"),
     (["--epochs", "inf", "--steps", "0"], "epochs must be a finite number"),
+    (["--seed", "-1"], "seed must be an integer >= 0"),
 ])
 def test_bad_config_values_get_clear_errors(argv, message):
     with pytest.raises(ConfigError, match=None) as err:
         train.config_from_argv(argv)
     assert message in str(err.value)
+
+
+def test_config_files_and_run_folders_are_read_or_refused_by_name(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({**resolve_config("tiny-cpu").to_dict(), "steps": 7}))
+    assert train.config_from_argv(["--config", str(run)])[0].steps == 7  # a run folder: its config.json
+    # strings in the file are read as on the command line; values of another kind are refused by key
+    (tmp_path / "s.json").write_text(json.dumps({"lr": "1e-4", "preset": "tiny-cpu"}))
+    assert train.config_from_argv(["--config", str(tmp_path / "s.json")])[0].lr == 1e-4
+    bad = {"missing.json": None, "broken.json": '{"lr": 1e-4,', "list.json": "[1, 2]",
+           "kind.json": json.dumps({"steps": 2.5}), "flag.json": json.dumps({"progress": 1}),
+           "none.json": json.dumps({"lr": None}), "key.json": json.dumps({"nope": 1})}
+    messages = {"missing.json": "no such file", "broken.json": "not a JSON file", "list.json": "a JSON object",
+                "kind.json": "steps must be an integer, got 2.5", "flag.json": "progress must be true or false",
+                "none.json": "lr must not be None", "key.json": "unknown config key"}
+    for name, text in bad.items():
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError) as err:
+            train.config_from_argv(["--config", str(tmp_path / name)])
+        assert messages[name] in str(err.value), (name, str(err.value))
+    assert train.main(["--config", str(tmp_path / "broken.json")]) == 2
+
+
+def test_a_misspelt_split_is_refused_before_the_run_folder_is_made(tmp_path):
+    out = tmp_path / "run"
+    cfg = resolve_config("tiny-cpu", {"eval_split": "valid", "out_dir": str(out), "model": "tiny"})
+    with pytest.raises(ConfigError, match="split 'valid'"):
+        train.Trainer(cfg)
+    assert not out.exists()
 
 
 def test_main_reports_config_errors_with_exit_code_2(capsys):
@@ -163,6 +195,15 @@ def test_sampler_covers_every_task_once_per_epoch_and_resumes_exactly():
 def test_derived_seeds_are_stable_and_distinct():
     assert train.derive_seed(0, "train", 1, 0) == train.derive_seed(0, "train", 1, 0)
     assert len({train.derive_seed(0, "train", s, p) for s in range(5) for p in range(5)}) == 25
+    # stable across processes too: Python's salted hash() would differ under another PYTHONHASHSEED
+    parts = [(0, "train", 1, 0), (7, "eval", "task-3", 2)]
+    here = [train.derive_seed(*p) for p in parts]
+    code = f"from sinkflex_core import train; print([train.derive_seed(*p) for p in {parts!r}])"
+    for hash_seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert json.loads(proc.stdout.strip().splitlines()[-1]) == here, hash_seed
 
 
 # --------------------------------------------------------------------------------------------------

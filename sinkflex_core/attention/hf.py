@@ -361,9 +361,11 @@ def attention_settings(source: nn.Module | str | os.PathLike) -> dict | None:
     folder = Path(source)
     saved = folder / SETTINGS_FILENAME
     if saved.is_file():
-        data = json.loads(saved.read_text())
+        data = _json_object(saved)
+        if "n_sink" not in data:
+            raise ValueError(f"{saved} names no 'n_sink' (the sink tokens of every layer)")
     elif (folder / "config.json").is_file():
-        cfg = json.loads((folder / "config.json").read_text())
+        cfg = _json_object(folder / "config.json")
         if cfg.get("sinkflex_n_sink") is None:
             return None
         data = {"n_sink": cfg["sinkflex_n_sink"], "window": cfg.get("sinkflex_window"),
@@ -371,18 +373,41 @@ def attention_settings(source: nn.Module | str | os.PathLike) -> dict | None:
     else:
         return None
     data = {k: data.get(k) for k in ("n_sink", "window", "layer_sinks")}
+    window, layers = data["window"], data["layer_sinks"]
+    if not (_is_count(data["n_sink"]) and (window is None or _is_count(window) and window >= 1)
+            and (layers is None or isinstance(layers, list) and all(_is_count(x) for x in layers))):
+        raise ValueError(f"the sink attention recorded in {saved if saved.is_file() else folder / 'config.json'} "
+                         f"is not valid: n_sink must be an integer >= 0, window an integer >= 1 or null (full "
+                         f"attention after the sinks), layer_sinks a list of integers >= 0 or null; got {data}")
     data["learn_sinks"] = bool(_saved_sink_logit_files(folder))
+    return data
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not a JSON file ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object")
     return data
 
 
 def save_attention_settings(model: nn.Module, folder: str | os.PathLike) -> Path | None:
     """Write ``sinkflex_attention.json`` (sink counts and window of a model switched by :func:`apply`)
     into ``folder``, so that :func:`sinkflex_core.models.load_policy` rebuilds the attention even where
-    no ``config.json`` is saved (LoRA adapters). Returns the path, or None for a model without sinks."""
+    no ``config.json`` is saved (LoRA adapters). Returns the path, or None for a model without sinks,
+    whose folder then loses any such file an earlier run left there (it is read before ``config.json``:
+    a stale one would load the new full-attention weights with the old run's sinks and window)."""
     settings = attention_settings(model)
-    if settings is None:
-        return None
     path = Path(folder) / SETTINGS_FILENAME
+    if settings is None:
+        path.unlink(missing_ok=True)
+        return None
     path.write_text(json.dumps({"format": "sinkflex-attention/1", **settings}, indent=1))
     return path
 

@@ -166,8 +166,13 @@ def load_layer_sinks(path: str | os.PathLike) -> list[int]:
         path = path / SINKS_FILENAME
     if not path.is_file():
         raise FileNotFoundError(f"no per-layer sink file at {path} (write one with save_layer_sinks)")
-    data = json.loads(path.read_text())
-    if "n_sink" not in data or not all(isinstance(x, int) and x >= 0 for x in data["n_sink"]):
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not a JSON file ({err})") from None
+    counts = data.get("n_sink") if isinstance(data, dict) else None
+    if not isinstance(counts, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                               for x in counts):
         raise ValueError(f"{path} has no valid 'n_sink' list of non-negative integers")
     return list(data["n_sink"])
 

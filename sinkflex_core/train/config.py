@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,6 +174,10 @@ class TrainConfig:
         data = dict(data)
         if "lora_targets" in data:
             data["lora_targets"] = _as_tuple(data["lora_targets"])
+        defaults = cls()
+        for f in dataclasses.fields(cls):
+            if f.name in data:
+                _check_type(f, getattr(defaults, f.name), data[f.name])
         cfg = cls(**data)
         cfg.validate()
         return cfg
@@ -190,7 +195,7 @@ class TrainConfig:
                  f"{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("steps", "warmup_steps", "eval_every", "save_every", "train_tasks", "eval_tasks", "threads",
                      "logprob_chunk_size", "tile_mlp_tokens", "rollout_tasks_per_call", "n_sink",
-                     "layer_sinks_episodes"):
+                     "layer_sinks_episodes", "seed"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
                  f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         need(self.lr > 0 and math.isfinite(self.lr), f"lr must be a positive number, got {self.lr!r}")
@@ -253,6 +258,50 @@ class TrainConfig:
         if self.steps:
             return self.steps
         return max(1, math.ceil(self.epochs * num_train_tasks / self.tasks_per_step))
+
+
+def _check_type(f: dataclasses.Field, default: Any, value: Any) -> None:
+    """Refuse a value of another kind than the field's default (``"lr": "1e-4"`` in a JSON file, a string
+    where a number goes) with a :class:`ConfigError` naming the key; an int stands for a float."""
+    if value is None:
+        if not is_optional(f):
+            raise ConfigError(f"{f.name} must not be None")
+        return
+    if isinstance(default, bool):
+        ok, kind = isinstance(value, bool), "true or false"
+    elif isinstance(default, int):
+        ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif isinstance(default, float):
+        ok, kind = isinstance(value, int | float) and not isinstance(value, bool), "a number"
+    elif isinstance(default, str):
+        ok, kind = isinstance(value, str), "a string"
+    else:
+        return
+    if not ok:
+        raise ConfigError(f"{f.name} must be {kind}, got {value!r} ({type(value).__name__})")
+
+
+def read_config_file(path: str | os.PathLike) -> dict:
+    """The config keys of a JSON file, or of a run folder's ``config.json`` (what the trainer writes
+    into ``out_dir``), strings read as on the command line; a :class:`ConfigError` names the file and
+    what is wrong with it."""
+    file = Path(path)
+    if file.is_dir():
+        file = file / "config.json"
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except OSError as err:
+        raise ConfigError(f"--config {path}: cannot read it ({err.strerror or err})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"--config {file}: not a JSON file ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {file}: expected a JSON object of config keys, got a {type(data).__name__}")
+    try:
+        return {k: _read(k, v) for k, v in data.items()}
+    except ConfigError as err:
+        raise ConfigError(f"--config {file}: {err}") from None
 
 
 def _as_tuple(value) -> tuple[str, ...]:
@@ -454,7 +503,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sinkflex train", description="GRPO training of a tool-using policy (see sinkflex_core.train).")
     p.add_argument("--preset", default="tiny-cpu", choices=sorted(PRESETS), help="the values to start from")
-    p.add_argument("--config", help="a config.json (e.g. a previous run's) to start from instead of a preset")
+    p.add_argument("--config", help="a config.json, or a run folder holding one (a previous run's), to start "
+                                    "from instead of a preset")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key (repeatable)")
     p.add_argument("--print-config", action="store_true",
@@ -477,7 +527,7 @@ def config_from_argv(argv: list[str] | None) -> tuple[TrainConfig, argparse.Name
         if f.name != "preset" and value is not None:
             overrides[f.name] = value
     if args.config:
-        base = json.loads(Path(args.config).read_text())
+        base = read_config_file(args.config)
         base.update({k: _read(k, v) for k, v in overrides.items()})
         return TrainConfig.from_dict(base), args
     return resolve_config(args.preset, overrides), args

@@ -21,7 +21,7 @@ def count_tasks(env_id: str, split: str) -> int:
 
     try:
         env = gym.make(env_id, split=split)
-    except gym.error.Error as err:
+    except (gym.error.Error, ValueError) as err:  # ValueError: a split the environment does not have
         raise ConfigError(f"cannot make environment {env_id!r} (split {split!r}): {err}") from None
     try:
         return int(env.unwrapped.num_tasks)

@@ -132,8 +132,11 @@ def load_model(cfg: TrainConfig, tokenizer, device: torch.device, model_config=N
         from .. import attention
         from .layer_sinks import resolve_layer_sinks
 
-        attention.apply(model, n_sink=cfg.n_sink, window=cfg.window, learn_sinks=cfg.learn_sinks,
-                        layer_sinks=resolve_layer_sinks(cfg, model, tokenizer))
+        try:
+            attention.apply(model, n_sink=cfg.n_sink, window=cfg.window, learn_sinks=cfg.learn_sinks,
+                            layer_sinks=resolve_layer_sinks(cfg, model, tokenizer))
+        except ValueError as err:  # a count file that is broken or made for another model
+            raise ConfigError(f"sink attention: {err}") from None
     if cfg.tile_mlp_tokens:
         from .. import memory
 

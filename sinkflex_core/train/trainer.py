@@ -82,10 +82,11 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.out_dir = Path(cfg.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
+        # the splits first: a misspelt one is refused before the run folder exists
+        n_train = count_tasks(cfg.env_id, cfg.train_split)
+        n_eval = count_tasks(cfg.env_id, cfg.eval_split)
         if d.main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-
-        n_train = count_tasks(cfg.env_id, cfg.train_split)
         self.train_task_ids = list(range(min(cfg.train_tasks, n_train) if cfg.train_tasks else n_train))
         if cfg.task_screen:
             keep = set(screened_tasks(cfg.task_screen, cfg.train_split, n_train, cfg.env_id))
@@ -94,7 +95,6 @@ class Trainer:
                 raise ConfigError(f"task_screen {cfg.task_screen}: no task left to train on "
                                   f"(with train_tasks={cfg.train_tasks})")
         self.num_train_tasks = len(self.train_task_ids)
-        n_eval = count_tasks(cfg.env_id, cfg.eval_split)
         self.eval_task_ids = list(range(min(cfg.eval_tasks, n_eval) if cfg.eval_tasks else n_eval))
         self.total_steps = cfg.total_steps(self.num_train_tasks)
         self.sampler = TaskSampler(self.num_train_tasks, cfg.tasks_per_step, cfg.seed)
@@ -505,6 +505,8 @@ class Trainer:
                      if n.endswith("sinkflex_sink_logits")}
             if self.cfg.lora and sinks:
                 save_file(sinks, str(path / "sink_logits.safetensors"))
+            else:  # an earlier LoRA run's file in this folder would be read as this policy's sinks
+                (path / "sink_logits.safetensors").unlink(missing_ok=True)
         self.dist.barrier()
         return path
 
