@@ -7,7 +7,7 @@
 # two CPU paths (PyTorch's fused kernel under the mask, an exact chunked PyTorch path) and FlexAttention
 # against a float64 reference, and shows GPU timings.
 #
-# Needs: CPU only (~1 min by default, ~20 s in smoke mode). On CPU FlexAttention has no backward, so
+# Needs: CPU only (about 10 s on 2 idle cores). On CPU FlexAttention has no backward, so
 # training uses the fused kernel (or, for keys many windows long, the chunked path); the GPU timings
 # shown are **recorded** ones from `data/` unless a CUDA GPU is present and `run_gpu_benchmark=True`.
 

@@ -216,8 +216,13 @@ def test_cancellation_grounds_and_refunds(world):
         for p in details["payment_history"]:
             paid[p["payment_id"]] += p["amount"] if p["type"] == "payment" else -p["amount"]
         assert set(paid.values()) == {0}  # every method got back what it paid
-    assert "already cancelled" not in _call(tools, "cancel_reservation", reservation_id=recent["reservation_id"],
-                                            reason="other") and conn.execute(
+    # a second cancellation is refused and changes nothing: no second refund, no balance moves
+    changes = conn.total_changes
+    dump = list(conn.iterdump())
+    assert _call(tools, "cancel_reservation", reservation_id=recent["reservation_id"],
+                 reason="other") == "Error: the reservation is cancelled"
+    assert conn.total_changes == changes and list(conn.iterdump()) == dump
+    assert conn.execute(
         "SELECT COUNT(*) FROM payments WHERE reservation_id = ? AND kind = 'refund'",
         (recent["reservation_id"],)).fetchone()[0] == len({p["payment_id"] for p in recent["payments"]})
 

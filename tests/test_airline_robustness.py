@@ -217,14 +217,26 @@ def test_check_env_and_make_vec_async(env_id):
     env = gym.make(env_id, split="train")
     check_env(env.unwrapped)
     env.close()
+    # worker i is seeded 0 + i: it runs what a single env reset with seed i runs, step for step
+    action = "Please tell me your user id."
+    expected = []
+    for i in range(4):
+        single = gym.make(env_id, split="test")
+        try:
+            first, single_info = single.reset(seed=i)
+            expected.append((first, single_info["task_index"], [single.step(action)[:2] for _ in range(3)]))
+        finally:
+            single.close()
+    assert len({e[1] for e in expected}) > 1  # the seeds pick different tasks: the comparison is not vacuous
     envs = gym.make_vec(env_id, num_envs=4, vectorization_mode="async", split="test")
     try:
         obs, info = envs.reset(seed=0)
-        assert isinstance(obs, tuple) and len(obs) == 4 and all(isinstance(o, str) and o for o in obs)
-        for _ in range(3):
-            obs, rewards, terminated, truncated, info = envs.step(("Please tell me your user id.",) * 4)
-            assert all(o.startswith("My user id is") or o for o in obs) and rewards.shape == (4,)
-            assert isinstance(rewards, np.ndarray)
+        assert isinstance(obs, tuple) and list(obs) == [e[0] for e in expected]
+        assert list(info["task_index"]) == [e[1] for e in expected]
+        for t in range(3):
+            obs, rewards, terminated, truncated, info = envs.step((action,) * 4)
+            assert isinstance(rewards, np.ndarray) and rewards.shape == (4,)
+            assert [(o, float(r)) for o, r in zip(obs, rewards)] == [e[2][t] for e in expected], t
         assert any(o.startswith("My user id is") for o in obs)
     finally:
         envs.close()

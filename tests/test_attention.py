@@ -715,10 +715,17 @@ def test_more_queries_than_keys_is_refused():
 
 
 def test_sinkflex_by_name_without_settings_is_refused():
+    import copy
+
     model = tiny_model()
+    stock = copy.deepcopy(model)
+    switched = A.apply(copy.deepcopy(model), n_sink=1, window=4, learn_sinks=False)
     model.set_attn_implementation(A.IMPLEMENTATION)
+    ids = torch.randint(0, 96, (1, 10))
     with pytest.raises(ValueError, match="no sink settings"):
-        model(input_ids=torch.randint(0, 96, (1, 10)))
+        model(input_ids=ids)
     model.config.sinkflex_n_sink, model.config.sinkflex_window = 1, 4  # settings in the config are used
     with torch.no_grad():
-        assert torch.isfinite(model(input_ids=torch.randint(0, 96, (1, 10))).logits).all()
+        out = model(input_ids=ids).logits
+        assert torch.allclose(out, switched(input_ids=ids).logits, atol=1e-6)
+        assert (out - stock(input_ids=ids).logits).abs().max() > 1e-3  # the window of 4 does cut

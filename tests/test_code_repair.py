@@ -86,11 +86,16 @@ def test_fix_scores_one_and_no_change_scores_the_share_of_passing_cases(env):
     "import os\nos.kill(os.getppid(), 9)\n",
     "syntax error here(\n",
 ])
-def test_a_module_cannot_forge_the_hidden_results(env, module_text):
+def test_forged_results_escapes_and_crashes_earn_nothing(env, module_text):
+    """Forged result lines, early exits, hangs and crashes earn exactly what the module's own
+    functions earn: none of these modules defines a working ``span``, so every hidden case fails
+    (task 3's expected values are never the forged 0 or 1)."""
     task, path = _start(env, 3)
+    assert not {0, 1} & {c["expected"] for c in task["hidden"]}
     env.step(call("write_file", path=path, content=module_text))
     *_, reward, terminated, _, info = env.step(call("submit"))
-    assert terminated and reward < 0.5, (module_text, info["reward_info"])
+    assert terminated and reward == 0.0, (module_text, info["reward_info"])
+    assert info["reward_info"]["passed"] == 0, (module_text, info["reward_info"])
 
 
 @jailed

@@ -258,13 +258,25 @@ def test_http_matches_in_process():
 @pytest.mark.slow
 @pytest.mark.parametrize("env_id", ["sinkflex/Retail-v0", "sinkflex/RetailHTTP-v0", "sinkflex/BankSQL-v0"])
 def test_make_vec_async(env_id):
+    # worker i is seeded 0 + i: it runs what a single env reset with seed i runs, step for step
+    action = "Please tell me your email."
+    expected = []
+    for i in range(8):
+        single = gym.make(env_id, split="test")
+        try:
+            first, single_info = single.reset(seed=i)
+            expected.append((first, single_info["task_index"], [single.step(action)[:2] for _ in range(3)]))
+        finally:
+            single.close()
+    assert len({e[1] for e in expected}) > 1  # the seeds pick different tasks: the comparison is not vacuous
     envs = gym.make_vec(env_id, num_envs=8, vectorization_mode="async", split="test")
     try:
         obs, info = envs.reset(seed=0)
-        assert isinstance(obs, tuple) and len(obs) == 8 and all(isinstance(o, str) and o for o in obs)
-        for _ in range(3):
-            obs, rewards, terminated, truncated, info = envs.step(("Please tell me your email.",) * 8)
-            assert len(obs) == 8 and all(isinstance(o, str) for o in obs)
+        assert isinstance(obs, tuple) and list(obs) == [e[0] for e in expected]
+        assert list(info["task_index"]) == [e[1] for e in expected]
+        for t in range(3):
+            obs, rewards, terminated, truncated, info = envs.step((action,) * 8)
             assert isinstance(rewards, np.ndarray) and rewards.shape == (8,)
+            assert [(o, float(r)) for o, r in zip(obs, rewards)] == [e[2][t] for e in expected], t
     finally:
         envs.close()

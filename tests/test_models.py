@@ -111,10 +111,19 @@ def test_training_is_deterministic_and_lossless():
         train_tokenizer(texts, 100)
 
 
-def test_cached_tokenizer_is_the_same(tok):
-    again = get_tokenizer()
-    assert again.backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
-    assert again.chat_template == CHAT_TEMPLATE
+def test_cached_tokenizer_is_the_same(tok, monkeypatch):
+    """The tokenizer read back from build/tokenizers/ (written when ``tok`` was made) equals one trained
+    afresh without the cache."""
+    import sinkflex_core.models as models
+
+    fresh = get_tokenizer(cache=False)
+    with monkeypatch.context() as m:  # the cached call must not train: it reads the file
+        m.setattr(models, "train_tokenizer", lambda *a, **k: pytest.fail("the cached tokenizer was retrained"))
+        cached = get_tokenizer()
+    assert cached.backend_tokenizer.to_str() == fresh.backend_tokenizer.to_str()
+    sample = "Order #W2378156: 3 items, $1,234.56 to 'Yusuf Rossi' <|im_end|>\n{\"order_id\": \"#W1\"}"
+    assert cached.encode(sample) == fresh.encode(sample) and len(cached) == len(fresh)
+    assert cached.chat_template == fresh.chat_template == CHAT_TEMPLATE
 
 
 def _render(tok, messages, tools=None, gen=False):

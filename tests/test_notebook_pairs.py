@@ -8,10 +8,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import jupytext
 import nbformat
 import pytest
-
-jupytext = pytest.importorskip("jupytext")
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 LESSON = re.compile(r"^\d\d_.+\.(ipynb|py)$")

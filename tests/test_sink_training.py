@@ -50,7 +50,10 @@ def test_estimate_on_the_start_shape_from_expert_episodes(tok, tmp_path):
     cfg = train.resolve_config("tiny-cpu", {"out_dir": str(tmp_path)})
     ids = train.expert_calibration_ids(cfg, tok, episodes=4)
     assert ids.shape[0] == 4 and 300 < ids.shape[1] <= train.layer_sinks.CALIBRATION_TOKENS
-    assert (ids == ids[:, :1]).any(1).all()  # real tokens, not padding: every row starts like a chat
+    # real tokens, not padding, and every row starts like a chat
+    assert tok.pad_token_id is not None and (ids != tok.pad_token_id).all()
+    first = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True, return_dict=True)["input_ids"][0]
+    assert (ids[:, 0] == first).all(), (first, ids[:, :4])
     model = build_model(tiny_qwen2_config(len(tok), hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                                           tokenizer=tok), seed=0)
     est = A.estimate_layer_sinks(model, ids, min_sinks=1, max_sinks=8)
