@@ -15,8 +15,13 @@
 Every row carries provenance (GPU, driver, torch, transformers, date, git sha; pass ``--git-sha`` where
 the working tree has no ``.git``). Exit status 1 if any exactness case fails.
 
-    python benchmarks/gpu_attention_check.py --out data/gpu_attention --git-sha <sha>   # H200: ~3-5 min
-    python benchmarks/gpu_attention_check.py --out build/gpu_attention_dry --dry-run   # CPU: tiny, ~1 min
+    python benchmarks/gpu_attention_check.py --out "$OUT" --git-sha <sha> --budget 240   # H200: ~3-5 min
+    python benchmarks/gpu_attention_check.py --out build/gpu_attention_dry --dry-run     # CPU: tiny, ~1 min
+
+It runs from a checkout without installing it (the GPU machine has torch and transformers, not
+gymnasium, which these modules do not import). Each CSV is rewritten after every row, so a run cut short
+keeps what it measured; ``--budget`` starts no timing case after that many seconds (recorded as
+``skipped``). Copy the CSVs to ``data/gpu_attention/`` afterwards.
 
 ``--dry-run`` runs the same logic at toy sizes on whatever device is present (on CPU FlexAttention has
 no backward, so there it checks flex forward only and times the chunked path instead of flex).
@@ -38,7 +43,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sinkflex_core import attention as A
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, installed or not
+from sinkflex_core import attention as A  # noqa: E402
 
 GIB = 1024**3
 
@@ -100,7 +106,7 @@ def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.detach().double() - ref.detach()).norm() / ref.detach().norm().clamp_min(1e-30))
 
 
-def exactness(device: str, dry: bool) -> list[dict]:
+def exactness(device: str, dry: bool, emit=None) -> list[dict]:
     # full float32 matmuls: TF32 would cost ~1e-3 relative error and say nothing about the kernels
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -153,6 +159,8 @@ def exactness(device: str, dry: bool) -> list[dict]:
                 row["pass"] = False
                 row["note"] = f"{type(err).__name__}: {str(err)[:200]}"
             rows.append(row)
+            if emit is not None:
+                emit(rows)
             print(f"exactness {name:30s} {backend:8s} out {row.get('rel_err_out', float('nan')):.2e} "
                   f"grads {[row.get(f'rel_err_grad_{x}', '') for x in ('q', 'k', 'v', 'sink')]} "
                   f"pass={row['pass']} {row['note']}", flush=True)
@@ -252,9 +260,17 @@ def time_case(fn, n, h, hkv, d, device, dtype, warmup: int, iters: int) -> tuple
     return statistics.median(times), first, peak
 
 
-def timing(args, device: str) -> list[dict]:
+def timing(args, device: str, emit=None, deadline: float | None = None) -> list[dict]:
+    """``deadline`` (a ``time.monotonic()`` value): cases that would start after it are recorded as
+    ``skipped``; ``emit(rows)`` is called after every row."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     rows = []
+
+    def done(row: dict) -> None:
+        rows.append(row)
+        if emit is not None:
+            emit(rows)
+
     for n in args.lengths:
         for case in args.cases:
             row = {"case": case, "tokens": n, "heads": args.heads, "kv_heads": args.kv_heads,
@@ -266,9 +282,14 @@ def timing(args, device: str) -> list[dict]:
                 fits, need = eager_fits(n, args.heads, device)
                 if not fits:
                     row.update(status="skipped", note=f"would need ~{need:.0f} GiB for the L x L scores")
-                    rows.append(row)
+                    done(row)
                     print(f"timing {case:17s} L={n:6d} skipped ({row['note']})", flush=True)
                     continue
+            if deadline is not None and time.monotonic() > deadline:
+                row.update(status="skipped", note="not run: the --budget was spent")
+                done(row)
+                print(f"timing {case:17s} L={n:6d} skipped ({row['note']})", flush=True)
+                continue
             try:
                 fn, setup, note = make_case(case, n, args.heads, args.kv_heads, args.head_dim, device, dtype,
                                             args.n_sink, args.window)
@@ -282,7 +303,7 @@ def timing(args, device: str) -> list[dict]:
                 row.update(status="error", note=f"{type(err).__name__}: {str(err)[:200]}")
             if device == "cuda":
                 torch.cuda.empty_cache()
-            rows.append(row)
+            done(row)
             print(f"timing {case:17s} L={n:6d} {row['status']:7s} {row.get('ms', ''):>9} ms "
                   f"{row.get('peak_gib', ''):>7} GiB  first {row.get('first_call_s', '')} s {row.get('note', '')}",
                   flush=True)
@@ -322,7 +343,10 @@ def main(argv=None) -> int:
     p.add_argument("--skip-exactness", action="store_true")
     p.add_argument("--skip-timing", action="store_true")
     p.add_argument("--git-sha", default=None, help="commit to record (default: git of the working tree)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds from the start after which no timing case starts (they are recorded as skipped)")
     args = p.parse_args(argv)
+    t_start = time.monotonic()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if not args.dry_run and device != "cuda":
         p.error("no CUDA GPU visible: run on the GPU machine, or use --dry-run to check the script here")
@@ -344,13 +368,14 @@ def main(argv=None) -> int:
     print("provenance:", prov, flush=True)
     ok = True
     if not args.skip_exactness:
-        rows = exactness(device, args.dry_run)
-        write_csv(out / "exactness.csv", [{**r, **prov} for r in rows])
+        rows = exactness(device, args.dry_run,
+                         emit=lambda so_far: write_csv(out / "exactness.csv", [{**r, **prov} for r in so_far]))
         ok &= all(r["pass"] for r in rows)
         print(f"exactness: {sum(r['pass'] for r in rows)}/{len(rows)} cases pass (rel err < 1e-5)", flush=True)
     if not args.skip_timing:
-        rows = timing(args, device)
-        write_csv(out / "timing.csv", [{**r, **prov, "dry_run": args.dry_run} for r in rows])
+        deadline = None if args.budget is None else t_start + args.budget
+        rows = timing(args, device, deadline=deadline, emit=lambda so_far: write_csv(
+            out / "timing.csv", [{**r, **prov, "dry_run": args.dry_run} for r in so_far]))
         for line in summarise(rows):
             print(line, flush=True)
     print(f"wrote {out}/", flush=True)

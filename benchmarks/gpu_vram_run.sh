@@ -3,19 +3,25 @@
 # Qwen2.5-7B-shaped model (random bf16 weights, LoRA r=16 on q,k,v,o, gradient checkpointing,
 # batch 1), capped at 80 GiB to stand in for an 80 GB card. Each case runs in its own process.
 #
-#   OUT=/some/folder bash benchmarks/gpu_vram_run.sh     # measure
-#   LIST=1 bash benchmarks/gpu_vram_run.sh               # print the planned cases (no GPU needed)
+#   OUT=/some/folder bash benchmarks/gpu_vram_run.sh           # measure
+#   SMOKE=1 OUT=/some/folder bash benchmarks/gpu_vram_run.sh   # every group once, tiny model, 1,024 tokens
+#   LIST=1 bash benchmarks/gpu_vram_run.sh                     # print the planned cases (no GPU needed)
 #
 # Writes $OUT/vram_<gpu>.csv (copy it to data/) and $OUT/vram_run.log. Installs nothing: it needs
 # torch (CUDA), transformers and peft already installed; gymnasium is not needed (the harness loads
-# only the modules of the step). Groups run in order of importance; a case that would start after
-# BUDGET_S is recorded as "skipped" rather than run.
+# only the modules of the step). Groups run in order of importance. No case runs past BUDGET_S seconds
+# from the start: a case's timeout is cut to what is left, cases with less than 20 s left are recorded
+# as "skipped", and once the budget is spent the remaining groups are listed in the log, not started.
+# A case that runs out of memory or times out is not run at longer lengths. With the ~15 minutes of
+# device time a session has (a machine start included), this run and benchmarks/gpu_attention_check.py
+# (3-5 minutes) fit together only with BUDGET_S of about 300 and the check's --budget.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
 OUT="${OUT:-build/vram}"
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
-BUDGET_S="${BUDGET_S:-450}"   # seconds of measuring; the GPU call needs a little more on top
+SMOKE="${SMOKE:-0}"
+BUDGET_S="${BUDGET_S:-$([[ "$SMOKE" == 1 ]] && echo 150 || echo 450)}"   # seconds of measuring, start-up included
 CHUNK="${CHUNK:-512}"         # log-prob chunk: one chunk's float32 logits are CHUNK x 152,064 x 4 B
 
 # Each group: "<per-case timeout s>|<harness arguments>", most important first.
@@ -61,16 +67,29 @@ fi
 "$PY" -c "import torch, transformers, peft; print('torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '|', torch.cuda.get_device_name(0))" | tee -a "$LOG"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | tee -a "$LOG"
 SLUG=$("$PY" -c "import re, torch; n = torch.cuda.get_device_name(0).lower().replace('nvidia', ''); print(re.sub(r'[^a-z0-9]+', '-', n).strip('-'))")
-CSV="$OUT/vram_${SLUG}.csv"
+CSV="$OUT/vram_${SLUG}$([[ "$SMOKE" == 1 ]] && echo _smoke).csv"
 rm -f "$CSV"
 
+PRESET=qwen25-7b
+if [[ "$SMOKE" == 1 ]]; then
+    PRESET=tiny   # the same code paths (LoRA, checkpointing, compiled sink attention) in seconds a case
+    echo "== smoke run: preset tiny, 1,024 tokens, every group's cases once" | tee -a "$LOG"
+fi
 for g in "${GROUPS_LIST[@]}"; do
     timeout="${g%%|*}"
+    cases="${g#*|}"
+    if [[ "$SMOKE" == 1 ]]; then
+        timeout=60
+        cases=$(sed -E 's/--tokens( [0-9]+)+/--tokens 1024/' <<< "$cases")
+    fi
     left=$(( BUDGET_S - ($(date +%s) - START) ))
-    (( left < 0 )) && left=0
-    echo "== [$(( $(date +%s) - START )) s] ${g#*|}" | tee -a "$LOG"
+    if (( left < 20 )); then
+        echo "== [$(( $(date +%s) - START )) s] not started, the time budget is spent: $cases" | tee -a "$LOG"
+        continue
+    fi
+    echo "== [$(( $(date +%s) - START )) s] $cases" | tee -a "$LOG"
     # shellcheck disable=SC2086
-    "$PY" -c "$BOOT" vram --preset qwen25-7b --device cuda --cap-gib 80 --chunk-size "$CHUNK" --out "$CSV" \
-        --append --timeout "$timeout" --budget "$left" ${g#*|} 2>&1 | tee -a "$LOG"
+    "$PY" -c "$BOOT" vram --preset "$PRESET" --device cuda --cap-gib 80 --chunk-size "$CHUNK" --out "$CSV" \
+        --append --timeout "$timeout" --budget "$left" $cases 2>&1 | tee -a "$LOG"
 done
 echo "== done in $(( $(date +%s) - START )) s -> $CSV" | tee -a "$LOG"

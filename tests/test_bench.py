@@ -163,6 +163,24 @@ def test_out_of_memory_is_recorded_not_fatal(tmp_path):
     assert second["status"] == "skipped" and "1024" in second["note"]
 
 
+@pytest.mark.slow
+def test_a_timed_out_case_is_not_run_longer_and_no_case_runs_past_the_budget(tmp_path):
+    common = ["vram", "--attention", "sdpa", "--logprobs", "chunked", "--mlp", "plain", "--tokens", "256", "512",
+              "--device", "cpu"]
+    # 2 s is less than a case's process takes to import torch: the first times out, the longer is not run
+    out = tmp_path / "timeout.csv"
+    assert bench.main([*common, "--timeout", "2", "--out", str(out)]) == 0
+    first, second = list(csv.DictReader(open(out)))
+    assert first["status"] == "timeout"
+    assert second["status"] == "skipped" and "timed out at 256 tokens" in second["note"]
+    # a 21 s budget: the first case gets at most what is left of it, the second (under 20 s left) none
+    out = tmp_path / "budget.csv"
+    assert bench.main([*common, "--timeout", "600", "--budget", "21", "--out", str(out)]) == 0
+    first, second = list(csv.DictReader(open(out)))
+    assert first["status"] == "ok" or (first["status"] == "timeout" and "cut to the" in first["note"]), first
+    assert second["status"] == "skipped" and "time budget of 21 s spent" in second["note"]
+
+
 def test_paper_table_reads_the_recorded_measurements(tmp_path):
     import shutil
 

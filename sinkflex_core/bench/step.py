@@ -274,6 +274,8 @@ def run_case(case: Case, settings: Settings, cap_this_process: bool = False) -> 
         if settings.cap_gib:
             total = torch.cuda.get_device_properties(0).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, settings.cap_gib * GIB / total))
+            # the cap in force: a card smaller than the cap (an 80 GB H100 under 80 GiB) is the whole card
+            row["cap_gib"] = round(min(settings.cap_gib, total / GIB), 2)
     memory = _Memory(settings.device)
     oom_types = (torch.OutOfMemoryError, MemoryError)
     try:

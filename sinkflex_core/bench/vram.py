@@ -71,6 +71,10 @@ def _child_main(payload: str) -> int:
     return 0
 
 
+#: A case is not started with fewer seconds of the time budget left (building the model alone takes some).
+MIN_CASE_S = 20.0
+
+
 # The child imports the package from the same folder as this parent, installed or not (a GPU machine
 # may run the harness from a plain checkout).
 _CHILD_BOOTSTRAP = """
@@ -174,32 +178,42 @@ def run_cases(cases: list[Case], settings: Settings, out: Path | None, timeout_s
               budget_s: float | None = None, skip_after_oom: bool = True, append: bool = False,
               stream=None) -> list[dict]:
     """Run ``cases`` one process each, print a line per case, append rows to ``out`` as they come
-    (a run cut short keeps what it measured). Returns the rows."""
+    (a run cut short keeps what it measured). Returns the rows.
+
+    ``budget_s``: no case runs past that many seconds from the call (a case's ``timeout_s`` is cut to
+    what is left, and none starts with less than :data:`MIN_CASE_S` left: those are ``skipped``).
+    ``skip_after_oom``: a case that ran out of memory or timed out at some length is not run at longer
+    ones (they would fail the same way, and take longer to)."""
+    t_start = time.perf_counter()
     settings = settings.resolved()
     stream = stream or sys.stdout
     prov = row_provenance(settings)
     rows: list[dict] = []
-    out_of_memory_at: dict[tuple, int] = {}
+    stopped_at: dict[tuple, tuple[int, str]] = {}
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         if not append or not out.exists():
             with open(out, "w", newline="") as fh:
                 csv.DictWriter(fh, COLUMNS).writeheader()
-    t_start = time.perf_counter()
     print(f"{len(cases)} cases on {prov['gpu']} (preset {settings.preset}, {settings.dtype}, {settings.finetune}"
           f"{f', cap {settings.cap_gib} GiB' if settings.cap_gib else ''})", file=stream, flush=True)
     for i, case in enumerate(cases, 1):
-        elapsed = time.perf_counter() - t_start
+        left = None if budget_s is None else budget_s - (time.perf_counter() - t_start)
         family = (case.family, settings.finetune)
-        if skip_after_oom and family in out_of_memory_at and case.tokens > out_of_memory_at[family]:
-            result = {"status": "skipped",
-                      "note": f"not run: the same case ran out of memory at {out_of_memory_at[family]} tokens"}
-        elif budget_s is not None and elapsed > budget_s:
+        if skip_after_oom and family in stopped_at and case.tokens > stopped_at[family][0]:
+            at, why = stopped_at[family]
+            result = {"status": "skipped", "note": f"not run: the same case {why} at {at} tokens"}
+        elif left is not None and left < MIN_CASE_S:
             result = {"status": "skipped", "note": f"not run: time budget of {budget_s:.0f} s spent"}
         else:
-            result = run_case_subprocess(case, settings, timeout_s=timeout_s)
-        if result.get("status") == "oom":
-            out_of_memory_at[family] = min(case.tokens, out_of_memory_at.get(family, case.tokens))
+            limit = timeout_s if left is None else min(left, timeout_s if timeout_s is not None else left)
+            result = run_case_subprocess(case, settings, timeout_s=limit)
+            if result.get("status") == "timeout" and (timeout_s is None or limit < timeout_s):
+                result["note"] = f"{result.get('note', '')} (cut to the {limit:.0f} s left of the time budget)".strip()
+            elif result.get("status") in ("oom", "timeout"):
+                why = "ran out of memory" if result["status"] == "oom" else "timed out"
+                if family not in stopped_at or case.tokens < stopped_at[family][0]:
+                    stopped_at[family] = (case.tokens, why)
         row = row_for(case, settings, result, prov)
         rows.append(row)
         if out is not None:
@@ -256,9 +270,10 @@ def _vram_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="CSV path (default: data/vram_<gpu>.csv); '-' for none")
     p.add_argument("--append", action="store_true", help="add rows to an existing CSV")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per case before it counts as timeout")
-    p.add_argument("--budget", type=float, default=None, help="start no new case after this many seconds")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds for the whole run: no case runs past them (its timeout is cut to what is left)")
     p.add_argument("--no-skip-after-oom", action="store_true",
-                   help="run longer trajectories of a case even after a shorter one ran out of memory")
+                   help="run longer trajectories of a case even after a shorter one ran out of memory or timed out")
     p.add_argument("--list", action="store_true", help="print the cases and exit")
     return p
 
