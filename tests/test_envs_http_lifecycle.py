@@ -262,6 +262,40 @@ def test_close_waits_for_the_request_in_flight():
     assert port_is_free(int(url.rsplit(":", 1)[1]))
 
 
+def test_a_late_answer_is_reported_and_the_call_never_sent_twice(monkeypatch):
+    """A call whose answer comes after the client stops waiting went out and may have run (a write):
+    it is reported as unanswered, not sent again (the order would be cancelled twice and the agent told
+    it failed), and the next call gets its own answer on a new connection."""
+    import time
+
+    import httpx
+
+    from sinkflex_core.envs import http_server
+
+    monkeypatch.setattr(http_server, "_TIMEOUTS", httpx.Timeout(1.0).as_dict())
+    ran = []
+
+    class SlowStore(http_server.RetailHTTPBackend):
+        def _serve_call(self, name, arguments):
+            ran.append(name)
+            if name == "cancel_pending_order" and ran.count(name) == 1:
+                time.sleep(2.5)
+            return super()._serve_call(name, arguments)
+
+    backend = SlowStore(0)
+    try:
+        backend.reset("test", 0)
+        order = next(o for o, r in RetailWorld.get(0).data.orders.items() if r["status"] == "pending")
+        out = backend.call_tool("cancel_pending_order", {"order_id": order, "reason": "no longer needed"})
+        assert out.output == "Error: the tool server did not answer within 1 s"
+        time.sleep(2.0)  # the slow call finishes on the server
+        details = json.loads(backend.call_tool("get_order_details", {"order_id": order}).output)
+        assert details["status"] == "cancelled"  # it ran, once
+        assert ran == ["cancel_pending_order", "get_order_details"]
+    finally:
+        backend.close()
+
+
 def test_the_openapi_document_has_each_tools_request_model():
     """/openapi.json describes POST /tools/<name> for every tool with a request model generated from the
     tool's JSON schema: same keys, same required keys, same types (nested objects included)."""
@@ -326,3 +360,21 @@ def test_the_request_models_accept_every_ground_truth_call_and_refuse_wrong_type
     airline = call_models(AIRLINE_TOOLS)
     with pytest.raises(pydantic.ValidationError):
         airline["send_certificate"].model_validate({"arguments": {"user_id": "x", "amount": 5000}})
+
+
+def test_a_closed_served_env_refuses_every_call_the_same_way():
+    """Over HTTP and over MCP, reset, step and the reward of a closed environment raise the same
+    RuntimeError, instead of an AttributeError or a reset that seems to work."""
+    for env_id in ("sinkflex/RetailHTTP-v0", "sinkflex/RetailMCP-v0"):
+        env = gym.make(env_id, split="test")
+        env.reset(options={"task_index": 0})
+        backend = env.unwrapped.backend
+        env.close()
+        for method, args in ((backend.reset, ("test", 0)), (backend.reward, ()),
+                             (backend.call_tool, ("think", {"thought": "x"}))):
+            try:
+                method(*args)
+            except RuntimeError as err:
+                assert "closed" in str(err), (env_id, err)
+            else:
+                raise AssertionError(f"{env_id}: a call after close did not raise")

@@ -187,3 +187,84 @@ def test_a_server_that_does_not_start_is_a_clear_error():
     with pytest.raises(ValueError, match="exactly one"):
         MCPConnection()
     assert [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()] == []
+
+
+def _gone(pids: set[str], seconds: float = 10.0) -> bool:
+    """Whether every process of ``pids`` has exited (or is a zombie) within ``seconds``."""
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        alive = set()
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                        alive.add(pid)
+            except OSError:
+                continue
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_server_that_never_answers_its_start_is_ended_with_the_error():
+    before = {t.ident for t in threading.enumerate()}
+    children = _children()
+    started = time.monotonic()
+    with pytest.raises(MCPError, match="did not answer start within 2 s"):
+        MCPConnection(command=[sys.executable, "-c", "import time; time.sleep(120)"], timeout=2)
+    assert time.monotonic() - started < 15
+    if children is not None:
+        assert _gone(_children() - children), "the server that never started is still running"
+    assert [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()] == []
+
+
+def test_a_closed_env_is_not_restarted_and_a_failed_reset_ends_the_episode(tmp_path):
+    tasks = tmp_path / "tasks.json"
+    tasks.write_text(json.dumps({
+        "reset_call": {"name": "reset_store", "arguments": {}}, "state_call": {"name": "list_notes", "arguments": {}},
+        "tasks": [{"instruction": "Say a.", "answer": "a"},
+                  {"instruction": "Say b.", "answer": "b", "setup": [{"name": "get_note", "arguments": {"note_id": 5}}]}]}))
+    env = gym.make("sinkflex/MCP-v0", command=[sys.executable, "-m", SERVER_MODULE], tasks=str(tasks),
+                   checker=lambda task, episode: float(episode["answer"] == task["answer"]))
+    children = _children()
+    try:
+        env.reset(options={"task_index": 0})
+        with pytest.raises(RuntimeError, match="setup of task"):
+            env.reset(options={"task_index": 1})  # its setup reads a note that does not exist
+        with pytest.raises(RuntimeError, match="call reset"):
+            env.step("a")  # the episode before is over: it is not graded against task 1
+        _, info = env.reset(options={"task_index": 0})
+        assert info["task_index"] == 0 and env.step("a")[1] == 1.0
+    finally:
+        env.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        env.reset(options={"task_index": 0})
+    if children is not None:
+        assert not _children() - children  # nothing was started by the reset after close
+
+
+def test_a_server_that_dies_mid_episode_is_an_error_then_restarted():
+    import os
+    import signal
+
+    children = _children()
+    if children is None:
+        pytest.skip("needs /proc to find the server process")
+    env = gym.make("sinkflex/MCP-v0")
+    try:
+        env.reset(options={"task_index": 0})
+        server = _children() - children
+        assert len(server) == 1
+        os.kill(int(next(iter(server))), signal.SIGKILL)
+        assert _gone(server)
+        obs, reward, terminated, *_ = env.step(format_tool_call("list_notes", {}))
+        assert obs.startswith("Error: the MCP server has exited or closed the connection"), obs
+        _, reward, terminated, _, info = env.step("My answer.")
+        assert terminated and reward == 0.0 and "exited" in info["reward_info"]["state_error"]
+        env.reset(options={"task_index": 0})  # a new server for the next episode
+        obs, *_ = env.step(format_tool_call("list_notes", {}))
+        assert not obs.startswith("Error"), obs
+    finally:
+        env.close()

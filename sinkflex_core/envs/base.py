@@ -342,6 +342,9 @@ class ToolEnv(gym.Env):
             index = int(index)
         else:
             index = int(self.np_random.integers(n))
+        # from here the episode before is over, also when the backend's reset fails half way (it may
+        # have changed the world already): step() then asks for a reset rather than play on
+        self._started = False
         obs, task = self.backend.reset(self.split, index)
         self.task = task
         self._started, self._done, self._turns = True, False, 0

@@ -712,10 +712,14 @@ class HTTPServedBackend:
         return self.server.url
 
     def reset(self, split: str, task_index: int):
+        if self.server is None:
+            raise RuntimeError("the environment is closed")
         with self.server.lock:
             return super().reset(split, task_index)
 
     def reward(self):
+        if self.server is None:
+            raise RuntimeError("the environment is closed")
         with self.server.lock:
             return super().reward()
 
@@ -737,8 +741,11 @@ class HTTPServedBackend:
                 request = httpcore.Request(b"POST", self._call_url[name], headers=headers, content=body,
                                            extensions={"timeout": _TIMEOUTS})
                 return _result_from_answer(*self._connection.request(request))
+            except httpcore.ReadTimeout:
+                # the request went out and may have run (a write): sending it again could run it twice
+                return ToolResult(f"Error: the tool server did not answer within {_TIMEOUTS['read']:.0f} s")
             except (httpcore.NetworkError, httpcore.TimeoutException, httpcore.ProtocolError) as err:
-                # the server closed a kept-alive connection: once more
+                # the server closed a kept-alive connection before reading the request: once more
                 if attempt:
                     return ToolResult(f"Error: the tool server did not answer ({type(err).__name__})")
         raise AssertionError("unreachable")

@@ -86,6 +86,8 @@ class MCPConnection:
         self._stop: asyncio.Event | None = None
         self._ready: asyncio.Future | None = None
         self._session: ClientSession | None = None
+        self._task: asyncio.Task | None = None
+        self._broken = False  # the server's end of the session is gone (it exited)
         try:
             self._main = asyncio.run_coroutine_threadsafe(self._run(), self._loop)
             self._wait(asyncio.run_coroutine_threadsafe(self._started(), self._loop), "start")
@@ -96,6 +98,7 @@ class MCPConnection:
     # ---- the session's life, all of it in one task (the SDK's cancel scopes require that) ----
 
     async def _run(self) -> None:
+        self._task = asyncio.current_task()
         self._stop = asyncio.Event()
         self._ready = self._loop.create_future()
         try:
@@ -135,13 +138,24 @@ class MCPConnection:
             future.cancel()
             raise MCPError(f"the MCP server did not answer {what} within {self.timeout:g} s") from err
 
+    @property
+    def alive(self) -> bool:
+        """Whether the session is up (not closed, and the server has not ended it)."""
+        return not self._closed and self._session is not None and not self._broken
+
     def _request(self, coro_factory, what: str):
+        import anyio
+
         if self._closed:
             raise MCPError("the MCP connection is closed")
         if self._session is None:
             raise MCPError("the MCP session has ended")
         session = self._session
-        return self._wait(asyncio.run_coroutine_threadsafe(coro_factory(session), self._loop), what)
+        try:
+            return self._wait(asyncio.run_coroutine_threadsafe(coro_factory(session), self._loop), what)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream):
+            self._broken = True
+            raise MCPError(f"the MCP server has exited or closed the connection ({what})") from None
 
     # ---- what the environment uses ----
 
@@ -173,10 +187,14 @@ class MCPConnection:
         A protocol error from the server (an unknown tool, arguments refused before the tool ran)
         comes back as ``(message, True)`` too: for an agent both are refusals it can read."""
         from mcp.shared.exceptions import McpError
+        from mcp.types import CONNECTION_CLOSED
 
         try:
             result = self.call_result(name, arguments)
         except McpError as err:
+            if err.error.code == CONNECTION_CLOSED:  # not a refusal: the server is gone
+                self._broken = True
+                raise MCPError(f"the MCP server has exited or closed the connection (the call of {name!r})") from None
             return str(err.error.message), True
         return _text_of(result.content), bool(result.isError)
 
@@ -189,10 +207,14 @@ class MCPConnection:
             self._loop.call_soon_threadsafe(self._stop.set)
         main = getattr(self, "_main", None)
         if main is not None:
-            try:
-                main.result(timeout=self.timeout)
-            except Exception:  # noqa: BLE001 - closing anyway; the start already reported its error
-                main.cancel()
+            if self._session is None:  # the session never started (or has ended): nothing to wait for
+                self._cancel_run()
+            else:
+                try:
+                    main.result(timeout=self.timeout)
+                except Exception:  # noqa: BLE001 - closing anyway
+                    self._cancel_run()
+            main.cancel()  # if it never ran
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=self.timeout)
@@ -200,6 +222,22 @@ class MCPConnection:
             self._loop.close()
         if self._own_errlog:
             self._errlog.close()
+
+    def _cancel_run(self) -> None:
+        """Cancel the session's task and wait for it to unwind: its exit stack ends the server process
+        (stopping the loop at once would leave that process running)."""
+        task = self._task
+        if task is None or task.done() or not self._loop.is_running():
+            return
+
+        async def cancel() -> None:
+            task.cancel()
+            await asyncio.wait([task], timeout=self.timeout)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel(), self._loop).result(timeout=self.timeout + 1)
+        except Exception:  # noqa: BLE001 - closing anyway
+            pass
 
     def __enter__(self) -> MCPConnection:
         return self

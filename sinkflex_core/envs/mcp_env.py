@@ -126,6 +126,7 @@ class MCPBackend:
         if fresh_server is None:
             fresh_server = self._reset_call is None
         self.fresh_server = bool(fresh_server) and command is not None
+        self._command = command is not None
         self._policy = policy
         self._holder: dict = {"conn": self._connect()}
         self._finalizer = weakref.finalize(self, _close, self._holder)
@@ -157,19 +158,22 @@ class MCPBackend:
         return self._policy
 
     def reset(self, split: str, task_index: int) -> tuple[str, dict]:
-        if self.fresh_server and self._started:
+        if not self._finalizer.alive:
+            raise RuntimeError("the environment is closed")
+        # a fresh server per episode, or a new one for a server started here that has exited
+        if (self.fresh_server and self._started) or (self._command and not self.conn.alive):
             old = self._holder.pop("conn", None)
             if old is not None:
                 old.close()
             self._holder["conn"] = self._connect()
         self._started = True
-        self.split, self.index = split, task_index
         task = self.task(split, task_index)
+        self.tool_calls, self.agent_messages = [], []
         for call in ([self._reset_call] if self._reset_call else []) + task.get("setup", []):
             text, is_error = self.conn.call(call["name"], call.get("arguments", {}))
             if is_error:
                 raise RuntimeError(f"the setup of task {task.get('id', task_index)} failed: {call} -> {text[:200]}")
-        self.tool_calls, self.agent_messages = [], []
+        self.split, self.index = split, task_index  # only for a task whose setup went through
         return task["instruction"], task
 
     def call_tool(self, name: str, arguments: dict) -> ToolResult:
@@ -195,7 +199,10 @@ class MCPBackend:
         task = self.task(self.split, self.index)
         state = None
         if self._state_call is not None:
-            state, _ = self.conn.call(self._state_call["name"], self._state_call.get("arguments", {}))
+            try:
+                state, _ = self.conn.call(self._state_call["name"], self._state_call.get("arguments", {}))
+            except MCPError as err:  # no state to grade: the episode scores 0 and says why
+                return 0.0, {"state_error": str(err)}
         episode = {"answer": self.agent_messages[-1] if self.agent_messages else "",
                    "messages": list(self.agent_messages), "tool_calls": copy.deepcopy(self.tool_calls),
                    "state": state, "call_tool": lambda n, a: self.conn.call(n, a)[0]}

@@ -114,10 +114,14 @@ class MCPServedBackend:
         return self.server.url + "/mcp/"
 
     def reset(self, split: str, task_index: int):
+        if self._closing:
+            raise RuntimeError("the environment is closed")
         with self.lock:
             return super().reset(split, task_index)
 
     def reward(self):
+        if self._closing:
+            raise RuntimeError("the environment is closed")
         with self.lock:
             return super().reward()
 
