@@ -37,7 +37,8 @@ print = functools.partial(print, flush=True)
 def main(argv: list[str] | None = None) -> int:
     from sinkflex_core.envs import pass_at_k, pass_hat_k
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--policy", required=True, help="a saved policy folder (model and tokenizer)")
     p.add_argument("--env-id", default="sinkflex/Retail-v0", help="the environment (its tasks and reward)")
     p.add_argument("--split", default="test")

@@ -6,8 +6,8 @@ test task x 8 episodes.
     python benchmarks/reproduce_curve.py                    # 3 seeds x {sinkflex, sdpa}, two runs at a
                                                             # time (one thread each), then the tests
     python benchmarks/reproduce_curve.py --attentions sinkflex --seeds 0
-    python benchmarks/reproduce_curve.py --train-start      # SFT here first (cached in runs/curve/sft and
-                                                            # runs/curve/sft_identity)
+    python benchmarks/reproduce_curve.py --train-start      # the shipped start's recipe here first (into
+                                                            # runs/curve/start; hours, each stage reused)
     python benchmarks/reproduce_curve.py --screen-samples 4 # train only on the training tasks the start
                                                             # solved sometimes in 4 tries each
     python benchmarks/reproduce_curve.py --smoke            # a few minutes: tiny settings, nothing written to data/
@@ -47,9 +47,9 @@ PAPER_START, PAPER_END = train.PAPER_REWARD_START, train.PAPER_REWARD_END
 
 
 def run_sft(out_root: Path, smoke: bool, threads: int, progress: bool = True) -> Path:
-    """The shared SFT start, in two stages, each trained once and reused while its config is unchanged:
-    ``OUT_ROOT/sft`` (the SFT defaults), then ``OUT_ROOT/sft_identity`` (:func:`sinkflex_core.sft.identity_stage`).
-    Returns the second."""
+    """The smoke run's start, in two stages, each trained once and reused while its config is unchanged:
+    ``OUT_ROOT/sft`` (the SFT defaults, shrunk with ``smoke``), then ``OUT_ROOT/sft_identity``
+    (:func:`sinkflex_core.sft.identity_stage`). Returns the second."""
     cfg = sft.SFTConfig(out_dir=str(out_root / "sft"), threads=threads, progress=progress)
     small = {"progress": progress}
     if smoke:
@@ -237,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sft-dir", default=None,
                    help="the start policy folder (default: the shipped start, data/retail-tiny-start)")
     p.add_argument("--train-start", action="store_true",
-                   help="train the start here instead: OUT_ROOT/sft continued into OUT_ROOT/sft_identity")
+                   help="train the start here instead, with the shipped start's recipe (python -m "
+                        "sinkflex_core.start --lookup-stage --zip-stage --sink-stage): into OUT_ROOT/start, its "
+                        "stages in OUT_ROOT/start_work (about four and a half hours on 2 cores)")
     p.add_argument("--parallel", type=int, default=2,
                    help="runs at once (each with 2/N threads; the recording ran 2, one thread each)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="GRPO config override")
@@ -277,8 +279,15 @@ def main(argv: list[str] | None = None) -> int:
         return record(out_root, sft_dir, args.attentions, args.seeds, args.parallel, args.smoke, test_samples, n_test)
     if args.sft_dir:
         sft_dir = Path(args.sft_dir)
-    elif args.train_start or args.smoke or not (start.start_dir() / "model.safetensors").is_file():
-        sft_dir = run_sft(out_root, args.smoke, threads, not args.no_progress)
+    elif args.smoke:  # a tiny two-stage SFT of a few steps: the pipeline, not a start
+        sft_dir = run_sft(out_root, True, threads, not args.no_progress)
+    elif args.train_start:
+        sft_dir = start.build(out_root / "start", out_root / "start_work", threads, test_samples=test_samples,
+                              screen_samples=args.screen_samples, progress=not args.no_progress,
+                              lookup_stage=True, zip_stage=True, sink_stage=True)
+    elif not (start.start_dir() / "model.safetensors").is_file():
+        p.error(f"{start.start_dir()} has no model.safetensors: restore it (git checkout -- data/retail-tiny-start) "
+                "or train one with --train-start")
     else:
         sft_dir = start.start_dir()
     overrides = dict(kv.split("=", 1) for kv in args.set)

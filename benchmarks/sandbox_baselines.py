@@ -16,7 +16,7 @@ import time
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="data/sandbox_baselines.csv")
     p.add_argument("--tasks", type=int, default=0, help="first N test tasks (0: all)")
     p.add_argument("--seed", type=int, default=0)

@@ -121,8 +121,10 @@ def select(only: list[str] | None, notebooks: list[NotebookInfo] | None = None) 
 def _kind(value) -> str:
     if isinstance(value, bool):
         return "a boolean (True or False)"
-    if isinstance(value, (int, float)):
-        return "a number"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number with a fraction"
     if isinstance(value, (list, tuple)):
         return "a list"
     return "a string" if isinstance(value, str) else type(value).__name__
@@ -256,8 +258,10 @@ def reproduce(only: list[str] | None = None, parameters: dict | None = None, smo
     except ValueError as err:
         print(f"sinkflex reproduce: {err}", file=sys.stderr)
         return 2
-    out_dir = out_dir or build_dir() / "notebooks"
+    # smoke copies apart from a full run's, so that a smoke run never makes the next full run start over
+    out_dir = out_dir or build_dir() / ("smoke/notebooks" if smoke else "notebooks")
     t_all = time.perf_counter()
+    ran = 0
     for i, nb in enumerate(notebooks, 1):
         params = {k: v for k, v in parameters.items() if k in nb.parameters}
         stamp = out_dir / (nb.path.stem + ".done")
@@ -274,10 +278,15 @@ def reproduce(only: list[str] | None = None, parameters: dict | None = None, smo
             stamp.unlink(missing_ok=True)
             return 1
         stamp.write_text(fp)
+        ran += 1
         print(f"    done in {time.perf_counter() - t0:.1f} s -> {os.path.relpath(out, repo_root())}",
               file=stream, flush=True)
-    print(f"all {len(notebooks)} notebooks ran in {time.perf_counter() - t_all:.1f} s; "
-          f"figures in figures/, results in data/", file=stream)
+    skipped = len(notebooks) - ran
+    where = ("figures in build/smoke/figures/ (smoke mode writes nothing tracked)" if smoke
+             else "figures in figures/, results in data/")
+    print(f"{ran} of {len(notebooks)} notebooks ran in {time.perf_counter() - t_all:.1f} s"
+          f"{f' ({skipped} unchanged, skipped)' if skipped else ''}; executed copies in "
+          f"{os.path.relpath(out_dir, repo_root())}/, {where}", file=stream)
     return 0
 
 

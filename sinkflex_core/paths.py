@@ -11,17 +11,24 @@ from pathlib import Path
 SMOKE_ENV = "SINKFLEX_SMOKE"
 
 
+def _is_root(folder: Path) -> bool:
+    return (folder / "pyproject.toml").is_file() and (folder / "notebooks").is_dir()
+
+
 def repo_root(start: str | os.PathLike | None = None) -> Path:
-    """The nearest folder at or above ``start`` (default: the working directory) holding both
-    ``pyproject.toml`` and ``notebooks/``; the working directory itself if there is none."""
+    """``SINKFLEX_ROOT`` if set; else the nearest folder at or above ``start`` (default: the working
+    directory) holding both ``pyproject.toml`` and ``notebooks/``; else the checkout this package was
+    installed from (``pip install -e``), so that the shipped start and ``data/`` are found from any
+    folder; else the working directory itself."""
     env = os.environ.get("SINKFLEX_ROOT")
     if env:
         return Path(env).resolve()
     here = Path(start or os.getcwd()).resolve()
     for folder in (here, *here.parents):
-        if (folder / "pyproject.toml").is_file() and (folder / "notebooks").is_dir():
+        if _is_root(folder):
             return folder
-    return here
+    installed_from = Path(__file__).resolve().parents[1]
+    return installed_from if _is_root(installed_from) else here
 
 
 def data_dir() -> Path:

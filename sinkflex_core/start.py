@@ -115,6 +115,17 @@ def _export(source: Path, out: Path, stages: list[Path]) -> None:
         shutil.copy2(stage / "sft_history.csv", recipe / f"stage{n}_{stage.name}_history.csv")
 
 
+#: The command's stage flags, each with the run folder of the stage it adds (as a recipe labels it).
+STAGE_FLAGS = (("identity-stage", "sft_identity"), ("lookup-stage", "sft_lookup"), ("zip-stage", "sft_zip_drills"),
+               ("sink-stage", "sft_sink"))
+
+
+def recipe_flags(stages: list[tuple[str, dict, pd.DataFrame]]) -> list[str]:
+    """The stage flags of ``python -m sinkflex_core.start`` that made the stages of a recipe
+    (:func:`recipe_stages`), in the command's order: ``["--lookup-stage", ...]``."""
+    return [f"--{flag}" for flag, stage in STAGE_FLAGS if any(label.endswith(f"_{stage}") for label, _, _ in stages)]
+
+
 def recipe_stages(out: Path) -> list[tuple[str, dict, pd.DataFrame]]:
     """The SFT stages a start in ``out`` ships in its ``recipe/`` (written by :func:`_export`), first to
     last: each stage's label (``stage{n}_{run folder name}``), saved config and history. Empty when
@@ -381,12 +392,8 @@ def card_text(out: Path) -> str:
               "address or items needs (`docs/experiments.md` says what limits a model trained from scratch here). "
               "The two numbers are of different models on different task sets, not comparable as a percentage.",
               "",
-              "## Regenerate", "", "```", "python -m sinkflex_core.start"
-              + "".join(f" --{flag}" for flag, stage in (("identity-stage", "sft_identity"),
-                                                          ("lookup-stage", "sft_lookup"),
-                                                          ("zip-stage", "sft_zip_drills"),
-                                                          ("sink-stage", "sft_sink"))
-                        if any(label.endswith(f"_{stage}") for label, _, _ in stages)), "```", "",
+              "## Regenerate", "", "```", " ".join(["python -m sinkflex_core.start", *recipe_flags(stages)]),
+              "```", "",
               "It generates the oracle's expert episodes and runs the copy warm-up (together about a quarter "
               "of an hour on 2 cores), the SFT and the measurements above, whose minutes each line gives "
               "(measured on a shared machine: idle cores are faster). Finished parts are reused when run "
@@ -444,7 +451,8 @@ def write_card(out: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sinkflex_core.start", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=None, help="where the start goes (default: data/retail-tiny-start)")
+    p.add_argument("--out", default=None, help="where the start goes (default: data/retail-tiny-start; a folder "
+                                               "holding a start made with other stage flags is refused)")
     p.add_argument("--work-dir", default="runs/start", help="where the SFT stages train (reused when run again)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--test-samples", type=int, default=8, help="episodes per test task")
@@ -462,6 +470,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.card_only:
         print(write_card(Path(args.out) if args.out else start_dir()))
         return 0
+    out_dir = Path(args.out) if args.out else start_dir()
+    if (out_dir / "model.safetensors").is_file() and (out_dir / "recipe").is_dir():
+        made_by = recipe_flags(recipe_stages(out_dir))
+        asked = [f"--{flag}" for flag, _ in STAGE_FLAGS if getattr(args, flag.replace("-", "_"))]
+        if asked != made_by:  # hours of training that would end by replacing another start
+            p.error(f"{out_dir} holds a start made with {' '.join(made_by) or 'no stage flag'}; these flags "
+                    f"({' '.join(asked) or 'none'}) would replace it with another: give --out a new folder "
+                    f"(e.g. --out runs/start/policy), or the same flags to regenerate it")
     if args.threads:
         import torch
 

@@ -94,6 +94,14 @@ def test_reproduce_runs_in_order_skips_unchanged_and_names_failing_cell(tmp_path
     second = _sinkflex(["reproduce", "--only", "00", "-p", "value=7"], root)
     assert second.returncode == 0, second.stdout + second.stderr
     assert "unchanged since its last run, skipped" in second.stdout
+    assert "0 of 1 notebooks ran" in second.stdout and "(1 unchanged, skipped)" in second.stdout
+    # a smoke run keeps its executed copies apart: the full run's copy and stamp stay as they were
+    smoke = _sinkflex(["reproduce", "--only", "00", "--smoke"], root)
+    assert smoke.returncode == 0, smoke.stdout + smoke.stderr
+    assert (root / "build" / "smoke" / "notebooks" / "00_ok.ipynb").exists()
+    assert "1 of 1 notebooks ran" in smoke.stdout and "smoke mode writes nothing tracked" in smoke.stdout
+    third = _sinkflex(["reproduce", "--only", "00", "-p", "value=7"], root)
+    assert "unchanged since its last run, skipped" in third.stdout, third.stdout
 
 
 @pytest.mark.slow
@@ -141,6 +149,7 @@ def test_reproduce_refuses_unknown_ids_and_parameters_before_running_anything(tm
         ("--only", "01", "-p", "flag=True"): "'flag' is a parameter of none",  # declared by 00 only
         ("-p", "flga=True"): "'flga' is a parameter of none",
         ("-p", "flag=yes"): "flag='yes' is a string, but 00_a.ipynb declares flag = False",
+        ("--only", "01", "-p", "sizes=[1.5]"): "sizes=[1.5] is a list, but 01_b.ipynb declares sizes = [1, 2]",
         ("-p", "sizes=a,b"): "write a list as a Python literal",
         ("-p", "sizes=['a']"): "sizes=['a'] is a list, but 01_b.ipynb",
         ("-p", "rate=fast"): "rate='fast' is a string",

@@ -46,6 +46,21 @@ def _metrics(out: Path) -> pd.DataFrame:
     return pd.read_csv(out / "metrics.csv")
 
 
+def test_the_command_line_without_its_bar_prints_a_line_a_step_and_says_when_nothing_is_left(
+        tokenizer_dir, tmp_path, capsys):
+    argv = _argv(_cfg(tokenizer_dir, tmp_path / "run", steps=2))
+    assert train.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "model=tiny is a randomly initialised policy" in err
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split(",")[0] for line in lines] == ["step 0/2", "step 1/2", "step 2/2"], out
+    assert "reward" in lines[1] and lines[1].endswith(" s") and "eval" in lines[2]
+    assert "done: step 2/2" in out
+    assert train.main(argv) == 0  # the same run again: resumed, finished
+    out, _ = capsys.readouterr()
+    assert "nothing to do" in out and "step 2/2" in out and not any(line.startswith("step ") for line in out.splitlines())
+
+
 def test_two_steps_log_metrics_checkpoint_and_change_the_policy(tokenizer_dir, tmp_path):
     cfg = _cfg(tokenizer_dir, tmp_path / "run", steps=2)
     trainer = Trainer(cfg)

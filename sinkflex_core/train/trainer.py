@@ -125,6 +125,7 @@ class Trainer:
         self.backend = self._make_backend()
         self.step_idx = 0
         self.history: list[dict] = []
+        self.log_lines = False  # one printed line a step when there is no progress bar (the command line sets it)
         self.log = MetricsLog(self.out_dir / "metrics.csv", enabled=d.main,
                               tensorboard_dir=self.out_dir / "tb" if cfg.tensorboard else None)
         self._t_start = time.perf_counter()
@@ -513,6 +514,14 @@ class Trainer:
     def _emit(self, row: dict, bar) -> None:
         self.history.append(row)
         self.log.write(row)
+        if bar is None and self.log_lines and self.dist.main:  # the command line without its bar: a line a step
+            parts = [f"step {row['step']}/{self.total_steps}"]
+            for key, name in (("reward_mean", "reward"), ("eval_reward", "eval"), ("kl", "kl")):
+                if row.get(key) is not None:
+                    parts.append(f"{name} {row[key]:.3f}")
+            if row.get("step_s") is not None:
+                parts.append(f"{row['step_s']:.1f} s")
+            print(", ".join(parts), flush=True)
         if bar is not None:
             if row["step"] > 0:
                 bar.update(1)
@@ -541,9 +550,18 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(cfg.to_dict(), indent=1))
         print("\n# on one node with 8 GPUs:\n" + torchrun_command(cfg, 8))
         return 0
+    if cfg.model == "tiny":
+        print("sinkflex train: note: model=tiny is a randomly initialised policy; it solves no task, so every "
+              "group's rewards are equal and nothing is learned (drop_uniform_groups skips them). GRPO as in "
+              "the tutorials starts from the shipped start: --model data/retail-tiny-start", file=sys.stderr)
+    if not cfg.progress:  # transformers' own bars (loading and writing weights) too
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     dist = init_distributed()
     try:
         trainer = Trainer(cfg, dist)
+        trainer.log_lines = not cfg.progress
         rows = trainer.run()
     except ConfigError as err:
         print(f"sinkflex train: config error: {err}", file=sys.stderr)
@@ -558,6 +576,9 @@ def main(argv: list[str] | None = None) -> int:
               f"log {trainer.out_dir / 'metrics.csv'}; last step {last.get('step_s') or 0:.1f} s")
         if (trainer.out_dir / "policy").is_dir():
             print(f"policy (Hugging Face folder): {trainer.out_dir / 'policy'}")
+    elif dist.main:
+        print(f"nothing to do: {trainer.out_dir} holds a finished run (step {trainer.step_idx}/"
+              f"{trainer.total_steps}); --no-resume or another --out-dir starts a new one")
     return 0
 
 
