@@ -194,6 +194,28 @@ def _kernel_name() -> str:
     return "python3"
 
 
+def _kernel_manager_class():
+    """On POSIX, a kernel manager that talks to the kernel over Unix sockets in the temporary folder
+    instead of TCP on localhost: no open port, and none of the kernel's warning that TCP traffic is not
+    encrypted on every run. None elsewhere (papermill's default)."""
+    if os.name != "posix":
+        return None
+    import tempfile
+    import uuid
+
+    from jupyter_client.manager import AsyncKernelManager
+    from traitlets import Unicode, default
+
+    class _UnixSocketKernelManager(AsyncKernelManager):
+        transport = Unicode("ipc")
+
+        @default("ip")
+        def _ip_default(self):  # the path prefix of the kernel's sockets
+            return os.path.join(tempfile.gettempdir(), f"sinkflex-kernel-{uuid.uuid4().hex[:12]}")
+
+    return _UnixSocketKernelManager
+
+
 class NotebookFailed(RuntimeError):
     """A notebook raised: names the notebook, the cell and where the executed copy is."""
 
@@ -214,9 +236,10 @@ def run_notebook(path: Path, parameters: dict | None = None, out_dir: Path | Non
     # No MPLBACKEND here: with none set, the kernel draws with matplotlib's inline backend, which needs
     # no display and keeps every figure in the executed copy (Agg would drop them from it).
     try:
+        manager = _kernel_manager_class()
         pm.execute_notebook(str(path), str(out), parameters=parameters or {}, kernel_name=_kernel_name(),
                             cwd=str(path.parent), progress_bar=progress, execution_timeout=timeout,
-                            log_output=False)
+                            log_output=False, **({"kernel_manager_class": manager} if manager else {}))
     except pm.PapermillExecutionError as err:
         first = (err.source or "").strip().splitlines()[:1]
         # papermill counts cells of the executed copy, which holds an injected parameters cell;
