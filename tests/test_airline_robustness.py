@@ -8,9 +8,9 @@ import random
 import threading
 
 import gymnasium as gym
-import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
+from vector_envs import assert_workers_replay_single_envs
 
 import sinkflex_core  # noqa: F401
 from sinkflex_core.envs import AIRLINE_ENV_IDS, format_tool_call
@@ -217,29 +217,8 @@ def test_check_env_and_make_vec_async(env_id):
     env = gym.make(env_id, split="train")
     check_env(env.unwrapped)
     env.close()
-    # worker i is seeded 0 + i: it runs what a single env reset with seed i runs, step for step
-    action = "Please tell me your user id."
-    expected = []
-    for i in range(4):
-        single = gym.make(env_id, split="test")
-        try:
-            first, single_info = single.reset(seed=i)
-            expected.append((first, single_info["task_index"], [single.step(action)[:2] for _ in range(3)]))
-        finally:
-            single.close()
-    assert len({e[1] for e in expected}) > 1  # the seeds pick different tasks: the comparison is not vacuous
-    envs = gym.make_vec(env_id, num_envs=4, vectorization_mode="async", split="test")
-    try:
-        obs, info = envs.reset(seed=0)
-        assert isinstance(obs, tuple) and list(obs) == [e[0] for e in expected]
-        assert list(info["task_index"]) == [e[1] for e in expected]
-        for t in range(3):
-            obs, rewards, terminated, truncated, info = envs.step((action,) * 4)
-            assert isinstance(rewards, np.ndarray) and rewards.shape == (4,)
-            assert [(o, float(r)) for o, r in zip(obs, rewards)] == [e[2][t] for e in expected], t
-        assert any(o.startswith("My user id is") for o in obs)
-    finally:
-        envs.close()
+    obs = assert_workers_replay_single_envs(env_id, 4, "Please tell me your user id.")
+    assert any(o.startswith("My user id is") for o in obs)
 
 
 # ---- found by env id ------------------------------------------------------------------------------

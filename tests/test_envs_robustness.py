@@ -8,10 +8,10 @@ import json
 import socket
 
 import gymnasium as gym
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from vector_envs import assert_workers_replay_single_envs
 
 import sinkflex_core  # noqa: F401
 from sinkflex_core.envs import TOOL_NAMES, RetailWorld, format_tool_call
@@ -258,25 +258,4 @@ def test_http_matches_in_process():
 @pytest.mark.slow
 @pytest.mark.parametrize("env_id", ["sinkflex/Retail-v0", "sinkflex/RetailHTTP-v0", "sinkflex/BankSQL-v0"])
 def test_make_vec_async(env_id):
-    # worker i is seeded 0 + i: it runs what a single env reset with seed i runs, step for step
-    action = "Please tell me your email."
-    expected = []
-    for i in range(8):
-        single = gym.make(env_id, split="test")
-        try:
-            first, single_info = single.reset(seed=i)
-            expected.append((first, single_info["task_index"], [single.step(action)[:2] for _ in range(3)]))
-        finally:
-            single.close()
-    assert len({e[1] for e in expected}) > 1  # the seeds pick different tasks: the comparison is not vacuous
-    envs = gym.make_vec(env_id, num_envs=8, vectorization_mode="async", split="test")
-    try:
-        obs, info = envs.reset(seed=0)
-        assert isinstance(obs, tuple) and list(obs) == [e[0] for e in expected]
-        assert list(info["task_index"]) == [e[1] for e in expected]
-        for t in range(3):
-            obs, rewards, terminated, truncated, info = envs.step((action,) * 8)
-            assert isinstance(rewards, np.ndarray) and rewards.shape == (8,)
-            assert [(o, float(r)) for o, r in zip(obs, rewards)] == [e[2][t] for e in expected], t
-    finally:
-        envs.close()
+    assert_workers_replay_single_envs(env_id, 8, "Please tell me your email.")
