@@ -142,6 +142,8 @@ def test_http_status_codes(http_env):
         (f"{url}/tools/get_order_details", b"[1, 2]", json_h, "POST", 400),
         (f"{url}/tools/get_order_details", b"\xff\xfe", json_h, "POST", 400),
         (f"{url}/tools/get_order_details", json.dumps({"arguments": [1]}).encode(), json_h, "POST", 400),
+        (f"{url}/tools/get_order_details", json.dumps({"arguments": {"order_id": "#W1"}, "extra": 1}).encode(),
+         json_h, "POST", 400),  # the OpenAPI request model forbids other keys
         (f"{url}/tools/no_such_tool", json.dumps({"arguments": {}}).encode(), json_h, "POST", 404),
         (f"{url}/elsewhere", b"{}", json_h, "POST", 404),
         (f"{url}/tools/get_order_details", json.dumps({"arguments": {"order_id": 5}}).encode(), json_h, "POST", 422),

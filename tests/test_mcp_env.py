@@ -268,3 +268,20 @@ def test_a_server_that_dies_mid_episode_is_an_error_then_restarted():
         assert not obs.startswith("Error"), obs
     finally:
         env.close()
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"reset_call": "reset_store", "tasks": [{"instruction": "x"}]}, "'reset_call' must be a tool call"),
+    ({"state_call": {"name": "s", "arguments": []}, "tasks": [{"instruction": "x"}]}, "'state_call' must be a tool call"),
+    ({"tasks": [{"instruction": "x", "setup": [{"arguments": {}}]}]}, "a setup call of task 0"),
+    ({"tasks": [{"instruction": "x", "setup": {"name": "a"}}]}, "'setup' must be a list"),
+    ({"tasks": [{"instruction": 3}]}, "no 'instruction' string"),
+])
+def test_a_malformed_task_file_is_refused_before_any_server_starts(data, message):
+    with pytest.raises(ValueError, match=message):
+        load_tasks(data)
+    children = _children()
+    with pytest.raises(ValueError, match=message):
+        gym.make("sinkflex/MCP-v0", tasks=data)
+    if children is not None:
+        assert not _children() - children

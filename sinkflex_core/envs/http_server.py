@@ -277,7 +277,7 @@ def _tool_endpoint(server: ToolHTTPServer, name: str):
             body = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError):  # ValueError: also a 5,000-digit integer
             return _error(400, "body is not valid JSON (or nested too deeply, or a number too long)")
-        if not isinstance(body, dict) or not isinstance(body.get("arguments", {}), dict):
+        if not isinstance(body, dict) or not isinstance(body.get("arguments", {}), dict) or set(body) - {"arguments"}:
             return _error(400, 'body must be {"arguments": {...}}')
         arguments = body.get("arguments", {})
         try:

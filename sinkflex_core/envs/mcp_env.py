@@ -62,11 +62,26 @@ def load_tasks(source: str | Path | dict | list) -> tuple[dict[str, list[dict]],
         splits = {k: v for k, v in data.items() if isinstance(v, list)}
     if not splits or any(not tasks for tasks in splits.values()):
         raise ValueError("the task file has no tasks")
+    for key in ("state_call", "reset_call"):
+        if key in defaults:
+            _check_call(defaults[key], f"the task file's {key!r}")
     for split, tasks in splits.items():
         for i, task in enumerate(tasks):
             if not isinstance(task, dict) or not isinstance(task.get("instruction"), str):
                 raise ValueError(f"task {i} of split {split!r} has no 'instruction' string")
+            setup = task.get("setup", [])
+            if not isinstance(setup, list):
+                raise ValueError(f"task {i} of split {split!r}: 'setup' must be a list of tool calls")
+            for call in setup:
+                _check_call(call, f"a setup call of task {i} of split {split!r}")
     return splits, defaults
+
+
+def _check_call(call, where: str) -> None:
+    """A tool call as task files write it: ``{"name": "...", "arguments": {...}}`` (arguments optional)."""
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str) and call["name"]
+            and isinstance(call.get("arguments", {}), dict)):
+        raise ValueError(f"{where} must be a tool call {{\"name\": \"...\", \"arguments\": {{...}}}}, got {call!r}")
 
 
 def resolve_checker(spec) -> Callable[[dict, dict], object]:
