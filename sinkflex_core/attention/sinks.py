@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .hf import SINKS_FILENAME, _attention_modules, _set_implementation, register
+from .hf import SINKS_FILENAME, _attention_modules, _is_count, _json_object, _set_implementation, register
 from .kernels import DEFAULT_CHUNK, sink_attention
 
 PROBE_IMPLEMENTATION = "sinkflex_probe"
@@ -166,15 +166,10 @@ def load_layer_sinks(path: str | os.PathLike) -> list[int]:
         path = path / SINKS_FILENAME
     if not path.is_file():
         raise FileNotFoundError(f"no per-layer sink file at {path} (write one with save_layer_sinks)")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not a JSON file ({err})") from None
-    counts = data.get("n_sink") if isinstance(data, dict) else None
-    if not isinstance(counts, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                               for x in counts):
+    counts = _json_object(path).get("n_sink")
+    if not isinstance(counts, list) or not all(_is_count(x) for x in counts):
         raise ValueError(f"{path} has no valid 'n_sink' list of non-negative integers")
-    return list(data["n_sink"])
+    return list(counts)
 
 
 @torch.no_grad()
