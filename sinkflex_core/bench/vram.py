@@ -206,7 +206,7 @@ def run_cases(cases: list[Case], settings: Settings, out: Path | None, timeout_s
         elif left is not None and left < MIN_CASE_S:
             result = {"status": "skipped", "note": f"not run: time budget of {budget_s:.0f} s spent"}
         else:
-            limit = timeout_s if left is None else min(left, timeout_s if timeout_s is not None else left)
+            limit = min((x for x in (timeout_s, left) if x is not None), default=None)
             result = run_case_subprocess(case, settings, timeout_s=limit)
             if result.get("status") == "timeout" and (timeout_s is None or limit < timeout_s):
                 result["note"] = f"{result.get('note', '')} (cut to the {limit:.0f} s left of the time budget)".strip()
