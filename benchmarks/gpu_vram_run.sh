@@ -12,9 +12,9 @@
 # only the modules of the step). Groups run in order of importance. No case runs past BUDGET_S seconds
 # from the start: a case's timeout is cut to what is left, cases with less than 20 s left are recorded
 # as "skipped", and once the budget is spent the remaining groups are listed in the log, not started.
-# A case that runs out of memory or times out is not run at longer lengths. With the ~15 minutes of
-# device time a session has (a machine start included), this run and benchmarks/gpu_attention_check.py
-# (3-5 minutes) fit together only with BUDGET_S of about 300 and the check's --budget.
+# A case that runs out of memory or times out is not run at longer lengths. To fit this run and
+# benchmarks/gpu_attention_check.py (3-5 minutes) into about 15 minutes of GPU time with the machine's
+# start-up, set BUDGET_S to about 300 and give the check a --budget.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
