@@ -550,15 +550,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(cfg.to_dict(), indent=1))
         print("\n# on one node with 8 GPUs:\n" + torchrun_command(cfg, 8))
         return 0
-    if cfg.model == "tiny":
-        print("sinkflex train: note: model=tiny is a randomly initialised policy; it solves no task, so every "
-              "group's rewards are equal and nothing is learned (drop_uniform_groups skips them). GRPO as in "
-              "the tutorials starts from the shipped start: --model data/retail-tiny-start", file=sys.stderr)
     if not cfg.progress:  # transformers' own bars (loading and writing weights) too
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
     dist = init_distributed()
+    if cfg.model == "tiny" and dist.main:  # said once, not by every rank
+        print("sinkflex train: note: model=tiny is a randomly initialised policy; it solves no task, so every "
+              "group's rewards are equal and nothing is learned (drop_uniform_groups skips them). GRPO as in "
+              "the tutorials starts from the shipped start: --model data/retail-tiny-start", file=sys.stderr)
     try:
         trainer = Trainer(cfg, dist)
         trainer.log_lines = not cfg.progress
