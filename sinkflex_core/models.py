@@ -160,7 +160,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE):
     call or record that repeats it (``"first_name": "Anya"``). With GPT-2's rule (``" Green"`` one
     token, ``"Green"`` after a quote split as ``G`` + ``reen``) copying a value across the two needs a
     spelling map per word, which a tiny model trained from scratch cannot learn for users it has not
-    seen; the separate spaces cost 2 % more tokens on the retail corpus.
+    seen; the separate spaces cost about 3 % more tokens on the retail corpus.
     Training is deterministic for a given list of texts."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
