@@ -405,3 +405,26 @@ def test_expert_conversation_on_the_synthetic_split():
     assert reward == 1.0 and messages[0]["role"] == "system" and "Airline assistant policy" in messages[0]["content"]
     calls = [m["tool_calls"][0]["function"]["name"] for m in messages if m.get("tool_calls")]
     assert calls[0] == "get_user_details"
+
+
+def test_an_answer_counts_once_its_record_was_read(test_env):
+    """A refusal or a flight's status said without reading the reservation or the flight earns nothing
+    (a constant "sorry, it is not eligible" would otherwise answer about one task in twelve); read, it
+    earns the reward."""
+    env = test_env.unwrapped
+    tasks = get_tasks(0, "test")
+    labels = [i for i, t in enumerate(tasks) if not t["actions"] and len(t["requests"]) == 1
+              and not re.fullmatch(r"[\d.]+", t["outputs"][0])]
+    assert {tasks[i]["requests"][0]["kind"] for i in labels} >= {"status", "refuse_cancel"}
+    for i in labels:
+        task, request = tasks[i], tasks[i]["requests"][0]
+        env.reset(options={"task_index": i})
+        env.backend.respond(f"It is {task['outputs'][0]}.")
+        reward, details = env.backend.reward()
+        assert reward == 0.0 and details["outputs_found"] == [True] and not details["answers_looked_up"], i
+        if request["kind"] == "status":
+            read = ("get_flight_status", {"flight_number": request["flight_number"], "date": request["date"]})
+        else:
+            read = ("get_reservation_details", {"reservation_id": request["reservation_id"]})
+        assert not env.backend.call_tool(*read).output.startswith("Error"), i
+        assert env.backend.reward()[0] == 1.0, i

@@ -233,7 +233,11 @@ def test_the_training_tools_find_the_world_by_env_id():
     kinds = train.task_kinds("test", list(range(10)), "sinkflex/Airline-v0")
     assert kinds == ["+".join(sorted({a["name"] for a in t["actions"]})) or "read only" for t in tasks[:10]]
     assert set(kinds) <= set(WRITE_TOOLS) | {"read only"} | {k for k in kinds if "+" in k}
-    assert train.reward_version("sinkflex/Airline-v0") == 1 and train.reward_version() == 2
+    from sinkflex_core.envs import airline, retail
+
+    assert airline.REWARD_VERSION != retail.REWARD_VERSION  # each env id finds its own world's version
+    assert train.reward_version("sinkflex/Airline-v0") == airline.REWARD_VERSION
+    assert train.reward_version() == train.reward_version("sinkflex/RetailHTTP-v0") == retail.REWARD_VERSION
 
 
 def test_oracle_rollouts_through_the_generation_interface():
@@ -277,4 +281,6 @@ def test_pass_at_k_script_takes_the_env_id(tmp_path, capsys):
     tasks = world_of("sinkflex/Airline-v0").get_tasks("test")
     assert list(table["kind"]) == ["+".join(sorted({a["name"] for a in t["actions"]})) or "read only"
                                    for t in tasks[:2]]
-    assert set(table["reward_version"]) == {1} and "2 test tasks x 1 episodes" in capsys.readouterr().out
+    from sinkflex_core.envs.airline import REWARD_VERSION
+
+    assert set(table["reward_version"]) == {REWARD_VERSION} and "2 test tasks x 1 episodes" in capsys.readouterr().out

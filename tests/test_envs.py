@@ -148,6 +148,8 @@ def test_read_tools(world):
     assert _call(tools, "calculate", expression="(10 + 2.5) * 2") == "25.00"
     assert _call(tools, "calculate", expression="__import__('os')").startswith("Error")
     assert _call(tools, "calculate", expression="1/0") == "Error: division by zero"
+    for overflow in ("1e999", "-1e999", "1e999 - 1e999"):  # infinity, not-a-number: refused
+        assert _call(tools, "calculate", expression=overflow) == "Error: number too large"
     assert _call(tools, "get_order_details", order_id="#W0000000") == "Error: order not found"
 
 
@@ -415,8 +417,36 @@ def test_reward_needs_state_and_outputs(retail_test_env):
     env.reset(options={"task_index": j})
     assert backend.reward()[0] == 0.0
     backend.respond(f"The answer is {tasks[j]['outputs'][0].upper()}.")
-    assert backend.reward()[0] == 1.0
+    reward, details = backend.reward()
+    assert reward == 0.0 and details["outputs_found"] == [True] and not details["answers_looked_up"]  # a guess
+    backend.call_tool("get_order_details", {"order_id": "#W0000000"})  # a failed read reads nothing
+    assert backend.reward()[0] == 0.0
+    for r in tasks[j]["requests"]:
+        assert not backend.call_tool("get_order_details", {"order_id": r["order_id"]}).output.startswith("Error")
+    assert backend.reward() == (1.0, {**details, "answers_looked_up": True})
+    env.reset(options={"task_index": j})  # what was read belongs to its episode
+    backend.respond(f"The answer is {tasks[j]['outputs'][0].upper()}.")
+    assert backend.reward()[0] == 0.0
     assert expected_hash(env.unwrapped.backend.world, "test", j) == env.unwrapped.backend.world.initial_hash
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_a_constant_answer_earns_nothing(split):
+    """A policy that says the commonest answer whatever the customer asks ("the order is delivered"),
+    with no tool call, would answer every task whose answer it is; an answer counts only once the order
+    it is about was looked up."""
+    env = gym.make("sinkflex/Retail-v0", split=split)
+    tasks = get_tasks(0, split)
+    guessable = [k for k, t in enumerate(tasks) if not t["actions"] and t["outputs"] == ["delivered"]]
+    assert len(guessable) >= 10
+    for k in guessable:
+        env.reset(options={"task_index": k})
+        terminated = truncated = False
+        while not (terminated or truncated):
+            _, reward, terminated, truncated, info = env.step("The order is delivered.")
+        assert reward == 0.0 and info["reward_info"]["outputs_found"] == [True], k
+        assert not info["reward_info"]["answers_looked_up"], k
+    env.close()
 
 
 def test_naming_every_status_answers_no_status_question(retail_test_env):

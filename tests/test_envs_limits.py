@@ -296,6 +296,8 @@ def test_a_wrong_total_that_contains_the_right_one_scores_zero():
     env = gym.make("sinkflex/Retail-v0", split="test")
     try:
         env.reset(options={"task_index": k})
+        order = {"order_id": tasks[k]["requests"][0]["order_id"]}  # read, as the reward asks of an answer
+        assert not env.unwrapped.backend.call_tool("get_order_details", order).output.startswith("Error")
         obs, reward, terminated, truncated, info = env.step(f"The total is 1{answer}.")
         assert "Thanks" not in obs and not terminated  # the customer asks again
         assert env.unwrapped.backend.reward()[0] == 0.0

@@ -3,7 +3,8 @@
 Reward, as in the retail world: 1.0 when the database after the episode hashes to the same value as
 the initial database with the task's ground-truth actions replayed on it, and every required answer
 appears in some message the agent sent to the customer (:func:`airline_text.answer_given`: numbers as
-whole numbers, labels alone in their group); 0.0 otherwise.
+whole numbers, labels alone in their group), and the record each answer is about was read in the
+episode (the reservation, or the flight's status: :meth:`AirlineBackend.required_reads`); 0.0 otherwise.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from .customer import Customer, ScriptedCustomer
 from .sqlite_world import SQLiteBackend
 
 # Bumped whenever the same episode can score differently (results cached by reward name it).
-REWARD_VERSION = 1
+# 2: an answer about a reservation or a flight's status counts only once the agent has read it.
+REWARD_VERSION = 2
 
 
 def airline_policy() -> str:
@@ -53,9 +55,24 @@ class AirlineBackend(SQLiteBackend):
     tool_schemas = TOOL_SCHEMAS
     get_tasks = staticmethod(get_tasks)
     answer_given = staticmethod(answer_given)
+    read_tools = {"get_reservation_details": ("reservation_id",), "get_flight_status": ("flight_number", "date")}
 
     def __init__(self, world_seed: int = 0, customer_factory: Callable[[dict], Customer] = AirlineCustomer):
         super().__init__(AirlineWorld.get(world_seed), customer_factory, airline_policy())
+
+    def required_reads(self, task: dict) -> list[tuple]:
+        """An answer about a reservation (a refusal, a total) needs its ``get_reservation_details``; a
+        flight's status its ``get_flight_status`` (a constant "sorry, it is not eligible" would otherwise
+        earn about one task in twelve). The cheapest fare, a number found by a search, needs no read."""
+        reads = []
+        for r in task["requests"]:
+            if not r["outputs"]:
+                continue
+            if r.get("reservation_id"):
+                reads.append(("get_reservation_details", r["reservation_id"]))
+            elif r["kind"] == "status":
+                reads.append(("get_flight_status", r["flight_number"], r["date"]))
+        return reads
 
 
 expected_hash = AirlineBackend.expected_hash

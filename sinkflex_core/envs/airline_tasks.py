@@ -258,6 +258,7 @@ class _Gen:
             f = rng.choice(rng.choice(mine)["flights"])
             answer = self._status(f["flight_number"], f["date"])
             text = f"What is the status of flight {f['flight_number']} on {f['date']}?"
+            flight = {"flight_number": f["flight_number"], "date": f["date"]}
         elif kind == "cheapest":
             f = w.flights[rng.choice(list(w.flights))]
             date = rng.choice([d for d in DATES if d > TODAY])
@@ -272,7 +273,7 @@ class _Gen:
         else:
             raise ValueError(kind)
         return {"kind": kind, "reservation_id": None, "text": text, "actions": [], "outputs": [answer],
-                "answer_keys": [answer]}
+                "answer_keys": [answer], **(flight if kind == "status" else {})}
 
 
 def _instruction(persona: dict, requests: list[dict]) -> str:

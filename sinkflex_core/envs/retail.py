@@ -3,11 +3,14 @@
 Reward (as in the public benchmark): 1.0 when the database after the episode hashes to the same
 value as the initial database with the task's ground-truth actions replayed on it, and every required
 output (e.g. an order's total) appears in some message the agent sent to the customer (lower-case,
-commas removed); 0.0 otherwise. Reads never matter; any path to the same final state passes. One
-departure: an order status or "not available" counts only in a message that names no other of
-those labels (:func:`sinkflex_core.envs.retail_tasks.answer_given`), since the public benchmark's
-outputs are mostly numbers, while here a message listing all four statuses would otherwise answer
-about a fifth of the tasks without a single tool call.
+commas removed); 0.0 otherwise. Any path to the same final state passes. Two departures, both
+because the public benchmark's outputs are mostly numbers while a third of the answers here are one of
+five labels (an order's status, or "not available"): such a label counts only in a message that names
+no other of them (:func:`sinkflex_core.envs.retail_tasks.answer_given`; a message listing all four
+statuses would otherwise answer about a fifth of the tasks), and an answer about an order counts only
+once the agent has looked that order up (``get_order_details``; a customer-service agent that never
+reads the order and always says "the order is delivered" would otherwise earn about one task in nine,
+the policy's "never invent facts" broken).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ def retail_policy() -> str:
 
 # Bumped whenever the same episode can score differently: results cached by reward (task screens)
 # are only reused under the version they were made with. 2: a status answer must name no other status.
-REWARD_VERSION = 2
+# 3: an answer about an order counts only once the agent has looked that order up.
+REWARD_VERSION = 3
 
 
 class RetailBackend(SQLiteBackend):
@@ -45,9 +49,15 @@ class RetailBackend(SQLiteBackend):
     tool_schemas = TOOL_SCHEMAS
     get_tasks = staticmethod(get_tasks)
     answer_given = staticmethod(answer_given)
+    read_tools = {"get_order_details": ("order_id",)}
 
     def __init__(self, world_seed: int = 0, customer_factory: Callable[[dict], Customer] = ScriptedCustomer):
         super().__init__(RetailWorld.get(world_seed), customer_factory, retail_policy())
+
+    def required_reads(self, task: dict) -> list[tuple]:
+        """Every request answered in words (a status, a total, a refusal) is about an order: that order's
+        ``get_order_details``."""
+        return [("get_order_details", r["order_id"]) for r in task["requests"] if r["outputs"] and r.get("order_id")]
 
 
 expected_hash = RetailBackend.expected_hash

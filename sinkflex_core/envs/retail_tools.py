@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import operator
 import sqlite3
 from collections import Counter
@@ -201,7 +202,10 @@ def safe_calculate(expression: str) -> float:
             return result
         raise ToolError("only numbers, + - * / and parentheses are allowed")
 
-    return round(walk(tree), 2)
+    value = walk(tree)
+    if not math.isfinite(value):  # "1e999" parses as infinity; inf - inf is not a number
+        raise ToolError("number too large")
+    return round(value, 2)
 
 
 class SQLTools:

@@ -77,11 +77,12 @@ class SQLiteBackend:
     """An episode over a private copy of a :class:`SQLiteWorld`: tools, a customer and the reward.
 
     Reward: 1.0 when the database after the episode hashes to the same value as the initial one with
-    the task's ground-truth actions replayed on it, and every required output is given in some
-    message the agent sent to the customer (``answer_given(output, message)``); 0.0 otherwise.
+    the task's ground-truth actions replayed on it, every required output is given in some message
+    the agent sent to the customer (``answer_given(output, message)``), and the records those answers
+    are about were read in the episode (:meth:`required_reads`); 0.0 otherwise.
 
     Subclasses set ``tools_class`` (built on a connection; ``call(name, arguments) -> ToolResult``),
-    ``tool_schemas``, ``splits``, and the static methods ``get_tasks(seed, split)`` and
+    ``tool_schemas``, ``splits``, ``read_tools``, and the static methods ``get_tasks(seed, split)`` and
     ``answer_given(output, message)``, and call ``__init__`` with their world, customer factory and
     policy text.
     """
@@ -91,6 +92,9 @@ class SQLiteBackend:
     splits: tuple[str, ...]
     get_tasks: Callable
     answer_given: Callable
+    #: The tools that read a record an answer can rest on, each with the arguments that name the record:
+    #: every successful call is remembered for the episode as ``(tool, *those arguments)``.
+    read_tools: dict[str, tuple[str, ...]] = {}
 
     def __init__(self, world: SQLiteWorld, customer_factory: Callable[[dict], object], policy: str):
         self.world = world
@@ -99,6 +103,7 @@ class SQLiteBackend:
         self.conn = None
         self.tools_impl = None
         self.split, self.index = "train", 0
+        self.reads: set[tuple] = set()
 
     @classmethod
     def expected_hash(cls, world: SQLiteWorld, split: str, index: int) -> str:
@@ -142,12 +147,23 @@ class SQLiteBackend:
         task = self.task(split, task_index)
         self.customer = self.customer_factory(task)
         self.agent_messages: list[str] = []
+        self.reads: set[tuple] = set()
         return self.customer.opening(), task
 
     def call_tool(self, name: str, arguments: dict) -> ToolResult:
         if self.tools_impl is None:
             return ToolResult("Error: no episode is running")
-        return self.tools_impl.call(name, arguments)
+        result = self.tools_impl.call(name, arguments)
+        if name in self.read_tools and not result.output.startswith("Error"):
+            self.reads.add((name, *(arguments[k] for k in self.read_tools[name])))
+        return result
+
+    def required_reads(self, task: dict) -> list[tuple]:
+        """The reads (``(tool, *arguments)``, as :attr:`read_tools` records them) that the task's required
+        outputs rest on: an answer about a record counts only once the agent has read that record, so that
+        a message repeated whatever the customer asks ("the order is delivered") does not earn the tasks
+        whose answer it happens to be. Default: none."""
+        return []
 
     def respond(self, text: str) -> ToolResult:
         self.agent_messages.append(text)
@@ -160,8 +176,10 @@ class SQLiteBackend:
         final = self.world.state_hash(self.conn) if self.conn.total_changes else self.world.initial_hash
         db_match = final == self.expected_hash(self.world, self.split, self.index)
         found = [any(self.answer_given(o, m) for m in self.agent_messages) for o in task["outputs"]]
-        return float(db_match and all(found)), {"db_match": db_match, "outputs": list(task["outputs"]),
-                                                 "outputs_found": found, "db_changed": final != self.world.initial_hash}
+        looked_up = all(read in self.reads for read in self.required_reads(task))
+        return float(db_match and all(found) and looked_up), {
+            "db_match": db_match, "outputs": list(task["outputs"]), "outputs_found": found,
+            "answers_looked_up": looked_up, "db_changed": final != self.world.initial_hash}
 
     def integrity_check(self) -> str:
         return self.conn.execute("PRAGMA integrity_check").fetchone()[0]
