@@ -108,6 +108,19 @@ def test_resume_restores_the_learning_rate_schedule(tokenizer_dir, tmp_path):
     assert again.scheduler.get_last_lr() == trainer.scheduler.get_last_lr()
 
 
+def test_run_in_parts_on_one_trainer_is_one_run(tokenizer_dir, tmp_path):
+    """run(max_steps=2) then run() on the same trainer ("max_steps more steps", no checkpoint between):
+    the log and the weights of one run(), not a metrics.csv emptied by a second resume."""
+    kw = dict(steps=4, save_every=3, eval_every=0, eval_tasks=1, ppo_epochs=1)
+    whole = Trainer(_cfg(tokenizer_dir, tmp_path / "whole", **kw))
+    whole.run()
+    parts = Trainer(_cfg(tokenizer_dir, tmp_path / "parts", **kw))
+    assert [r["step"] for r in parts.run(max_steps=2)] == [0, 1, 2]
+    parts.run()
+    assert list(_metrics(tmp_path / "parts")["step"]) == list(_metrics(tmp_path / "whole")["step"]) == [0, 1, 2, 3, 4]
+    assert all(torch.equal(p, q) for p, q in zip(whole.policy.parameters(), parts.policy.parameters()))
+
+
 @pytest.mark.slow
 def test_resume_after_sigkill_at_any_point_is_the_uninterrupted_run(tokenizer_dir, tmp_path):
     """One run killed with SIGKILL three times, restarted each time with the same command: in the
@@ -441,6 +454,26 @@ def test_time_budget_stops_after_the_evaluation_that_used_it_up(tokenizer_dir, t
     trainer.step, trainer.evaluate = fake_step, fake_evaluate
     trainer.run()
     assert evals == [] and trainer.step_idx == 2 and (tmp_path / "t" / "policy" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_stop_together_at_the_time_budget(tokenizer_dir, tmp_path):
+    """max_minutes under torchrun, rank 1's clock started 3 s after rank 0's (its set-up took longer):
+    the ranks must agree on when the budget is used up. If each read its own clock, rank 0 would
+    evaluate, save and stop while rank 1 stepped on, and the run would die on mismatched collectives."""
+    cfg = _cfg(tokenizer_dir, tmp_path / "b", steps=200, save_every=0, eval_every=0, eval_tasks=1, ppo_epochs=1,
+               max_minutes=4 / 60)
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(Path(__file__).with_name("skewed_trainer.py")), str(path), "3"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    df = _metrics(tmp_path / "b")
+    last = int(df["step"].iloc[-1])
+    assert 0 < last < 200 and pd.notna(df["eval_reward"].iloc[-1])  # stopped on the budget, with its evaluation
+    assert train.latest_checkpoint(tmp_path / "b" / "checkpoints").name == f"step_{last:08d}"
+    assert (tmp_path / "b" / "policy" / "model.safetensors").is_file()
 
 
 def test_drop_uniform_groups_skips_a_step_without_signal(tokenizer_dir, tmp_path):

@@ -95,10 +95,12 @@ def test_config_files_and_run_folders_are_read_or_refused_by_name(tmp_path):
     assert train.config_from_argv(["--config", str(tmp_path / "s.json")])[0].lr == 1e-4
     bad = {"missing.json": None, "broken.json": '{"lr": 1e-4,', "list.json": "[1, 2]",
            "kind.json": json.dumps({"steps": 2.5}), "flag.json": json.dumps({"progress": 1}),
-           "none.json": json.dumps({"lr": None}), "key.json": json.dumps({"nope": 1})}
+           "none.json": json.dumps({"lr": None}), "key.json": json.dumps({"nope": 1}),
+           "targets.json": json.dumps({"lora_targets": 5}), "targets_none.json": json.dumps({"lora_targets": None})}
     messages = {"missing.json": "no such file", "broken.json": "not a JSON file", "list.json": "a JSON object",
                 "kind.json": "steps must be an integer, got 2.5", "flag.json": "progress must be true or false",
-                "none.json": "lr must not be None", "key.json": "unknown config key"}
+                "none.json": "lr must not be None", "key.json": "unknown config key",
+                "targets.json": "lora_targets must be module names", "targets_none.json": "lora_targets must be"}
     for name, text in bad.items():
         if text is not None:
             (tmp_path / name).write_text(text)
@@ -112,6 +114,15 @@ def test_a_misspelt_split_is_refused_before_the_run_folder_is_made(tmp_path):
     out = tmp_path / "run"
     cfg = resolve_config("tiny-cpu", {"eval_split": "valid", "out_dir": str(out), "model": "tiny"})
     with pytest.raises(ConfigError, match="split 'valid'"):
+        train.Trainer(cfg)
+    assert not out.exists()
+
+
+def test_a_missing_model_folder_is_refused_before_the_run_folder_is_made(tmp_path):
+    out = tmp_path / "run"
+    cfg = resolve_config("tiny-cpu", {"model": str(tmp_path / "no-such-model"), "tokenizer": "tiny",
+                                      "out_dir": str(out), "layer_sinks": ""})
+    with pytest.raises(ConfigError, match="cannot load model"):
         train.Trainer(cfg)
     assert not out.exists()
 

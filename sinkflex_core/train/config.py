@@ -173,7 +173,12 @@ class TrainConfig:
             raise ConfigError(f"unknown config key(s) {unknown}; known keys: {sorted(names)}")
         data = dict(data)
         if "lora_targets" in data:
-            data["lora_targets"] = _as_tuple(data["lora_targets"])
+            targets = data["lora_targets"]
+            if not (isinstance(targets, str) or (isinstance(targets, list | tuple)
+                                                 and all(isinstance(t, str) for t in targets))):
+                raise ConfigError(f"lora_targets must be module names (a list of strings, or one comma-separated "
+                                  f"string), got {targets!r} ({type(targets).__name__})")
+            data["lora_targets"] = _as_tuple(targets)
         defaults = cls()
         for f in dataclasses.fields(cls):
             if f.name in data:

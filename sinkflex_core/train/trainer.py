@@ -82,11 +82,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.out_dir = Path(cfg.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
-        # the splits first: a misspelt one is refused before the run folder exists
+        # the splits, tokenizer and model first: a misspelt one is refused before the run folder exists
         n_train = count_tasks(cfg.env_id, cfg.train_split)
         n_eval = count_tasks(cfg.env_id, cfg.eval_split)
-        if d.main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
         self.train_task_ids = list(range(min(cfg.train_tasks, n_train) if cfg.train_tasks else n_train))
         if cfg.task_screen:
             keep = set(screened_tasks(cfg.task_screen, cfg.train_split, n_train, cfg.env_id))
@@ -123,6 +121,8 @@ class Trainer:
         self.total_updates = self.total_steps * cfg.ppo_epochs * cfg.num_minibatches
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.total_updates))
         self.backend = self._make_backend()
+        if d.main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
         self.step_idx = 0
         self.history: list[dict] = []
         self.log_lines = False  # one printed line a step when there is no progress bar (the command line sets it)
@@ -130,6 +130,7 @@ class Trainer:
                               tensorboard_dir=self.out_dir / "tb" if cfg.tensorboard else None)
         self._t_start = time.perf_counter()
         self._elapsed_before = 0.0
+        self._runs = 0  # run() calls so far: a later one goes on from this trainer's own state
 
     # -- rollouts ---------------------------------------------------------------------------------
     def _generation_model(self) -> nn.Module:
@@ -402,7 +403,14 @@ class Trainer:
         return self._elapsed_before + time.perf_counter() - self._t_start
 
     def _time_up(self) -> bool:
-        return self.cfg.max_minutes > 0 and self.elapsed() >= 60 * self.cfg.max_minutes
+        """Whether the time budget is used up. Under torchrun every rank reads its own clock, and the
+        clocks start apart (each rank's set-up takes its own time), so the ranks agree here: the budget
+        is up once it is on any rank. Otherwise one rank would evaluate, save and stop while another
+        steps on, and their collectives would no longer match. Every rank calls this at the same points."""
+        up = self.cfg.max_minutes > 0 and self.elapsed() >= 60 * self.cfg.max_minutes
+        if self.cfg.max_minutes > 0 and self.dist.enabled:
+            up = self.dist.reduce({"up": float(up)}, "max")["up"] > 0
+        return up
 
     # -- the loop ------------------------------------------------------------------------------------
     def _save_run_info(self) -> None:
@@ -428,7 +436,12 @@ class Trainer:
 
     def run(self, max_steps: int | None = None) -> list[dict]:
         """Train until ``total_steps`` (or ``max_steps`` more steps); returns the rows logged."""
-        resumed = self.try_resume()  # first: a refused resume leaves the folder's config.json as it was
+        # A later call on the same trainer carries on from where the last one stopped: resuming again
+        # would load an older checkpoint (or none, and then empty metrics.csv) under the steps it took.
+        again = self._runs > 0
+        self._runs += 1
+        # first: a refused resume leaves the folder's config.json as it was
+        resumed = None if again else self.try_resume()
         self._save_run_info()
         if self.async_rollouts is not None:  # the worker starts while the first evaluation runs
             self.async_rollouts.start()
@@ -441,7 +454,7 @@ class Trainer:
             if resumed:
                 bar.write(f"resumed from {resumed}")
         try:
-            if self.step_idx == 0 and resumed is None:
+            if self.step_idx == 0 and resumed is None and not again:
                 t0 = time.perf_counter()
                 row = {"step": 0, **self.evaluate()}
                 row["eval_s"] = time.perf_counter() - t0
@@ -449,7 +462,7 @@ class Trainer:
                 self._emit(row, bar)
             done = 0
             # a run resumed after its time budget was used up (it stopped on it) takes no further step
-            spent = resumed is not None and self._time_up()
+            spent = (resumed is not None or again) and self._time_up()
             while self.step_idx < self.total_steps and (max_steps is None or done < max_steps) and not spent:
                 t0 = time.perf_counter()
                 row = self.step()
