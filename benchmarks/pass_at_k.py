@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--tasks, --samples and --tasks-per-call must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.no_progress:
+        from sinkflex_core import models
+
+        models.hide_loading_bars()
 
     tasks = list(range(args.tasks))
     try:

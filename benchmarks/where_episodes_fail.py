@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     from sinkflex_core import models, sft
     from sinkflex_core.train import count_tasks, task_kinds
 
+    if args.no_progress:
+        models.hide_loading_bars()
+
     tasks = list(range(min(args.tasks, count_tasks("sinkflex/Retail-v0", "test"))))
     if args.kinds:
         wanted = {k.strip() for k in args.kinds.split(",")}

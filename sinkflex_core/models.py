@@ -435,6 +435,14 @@ def _quiet_about_sink_logits():
         log.removeFilter(flt)
 
 
+def hide_loading_bars() -> None:
+    """Turn off transformers' own progress bars (loading and writing weights), for a command run with
+    ``--no-progress`` whose log should hold only its own lines."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def load_policy(path: str | os.PathLike, *, base_model: str | None = None, dtype=None, device=None,
                 attn_implementation: str | None = None, saved_attention: bool = True):
     """A saved policy folder as a transformers causal LM in eval mode, **with the attention it was

@@ -326,8 +326,9 @@ def store_outputs(path: Path) -> None:
 
 def scrub(nb: dict) -> dict:
     """Make an executed notebook fit to commit: drop papermill's per-cell timings and stderr output
-    (warnings name this machine's paths and are never compared), and write the repository root in
-    any remaining output as ``.``."""
+    (warnings name this machine's paths and are never compared), join a cell's consecutive stdout
+    pieces into one output (the kernel sends a stream in as many pieces as it flushed), and write the
+    repository root in any remaining output as ``.``."""
     root = str(repo_root())
     nb.get("metadata", {}).pop("papermill", None)
     nb.setdefault("metadata", {})["kernelspec"] = {"display_name": "Python 3", "language": "python",
@@ -335,13 +336,20 @@ def scrub(nb: dict) -> dict:
     for cell in nb["cells"]:
         cell.get("metadata", {}).pop("papermill", None)
         cell.get("metadata", {}).pop("execution", None)
+        if cell.get("metadata", {}).get("tags") == []:  # papermill's, on every cell
+            del cell["metadata"]["tags"]
         if cell.get("cell_type") != "code":
             continue
         outputs = []
         for out in cell.get("outputs", []):
             if out.get("output_type") == "stream" and out.get("name") == "stderr":
                 continue
-            outputs.append(json.loads(json.dumps(out).replace(root, ".")))
+            out = json.loads(json.dumps(out).replace(root, "."))
+            if out.get("output_type") == "stream" and outputs and outputs[-1].get("output_type") == "stream":
+                joined = "".join(outputs[-1]["text"]) + "".join(out["text"])
+                outputs[-1]["text"] = joined.splitlines(keepends=True)
+                continue
+            outputs.append(out)
         cell["outputs"] = outputs
     return nb
 

@@ -31,6 +31,7 @@ Regenerate it (about four and a half hours on 2 cores; each finished part is reu
     python -m sinkflex_core.start --sink-stage       # the first stage, then a stage on the preset's sink attention
     python -m sinkflex_core.start --lookup-stage     # + two rounds drilling the tool calls' lookups
     python -m sinkflex_core.start --card-only        # rewrite README.md from the files in the folder
+    python -m sinkflex_core.start --measure-only     # measure it again (e.g. after a reward change), then the card
 """
 
 from __future__ import annotations
@@ -149,10 +150,10 @@ def measure(out: Path, test_samples: int = 8, screen_samples: int = 4, progress:
     weights under full attention, column ``attention`` ``saved`` and ``full``) and
     ``train_screen.csv`` (the first ``screen_tasks`` training tasks, 0: all; the preset's attention;
     ``screen_samples`` 0: no screen) into ``out``, each part skipped when its file already holds these
-    weights."""
+    weights, played under the current reward (``REWARD_VERSION``)."""
     import pandas as pd
 
-    from .train import count_tasks, policy_digest, screen_or_reuse, success_table
+    from .train import count_tasks, policy_digest, reward_version, screen_or_reuse, success_table
     from .train.evaluate import attention_label
 
     digest = policy_digest(out)
@@ -166,8 +167,9 @@ def measure(out: Path, test_samples: int = 8, screen_samples: int = 4, progress:
     tables = []
     for settings, saved_attention in plays:
         label = attention_label(settings, saved_attention)
-        if old is not None:
-            part = old[(old["attention"] == label) & (old["policy_digest"] == digest) & (old["tries"] == test_samples)]
+        if old is not None and "reward_version" in old.columns:
+            part = old[(old["attention"] == label) & (old["policy_digest"] == digest) & (old["tries"] == test_samples)
+                       & (old["reward_version"] == reward_version())]
             if part["task"].nunique() == n_test:
                 tables.append(part)
                 continue
@@ -397,7 +399,9 @@ def card_text(out: Path) -> str:
               "It generates the oracle's expert episodes and runs the copy warm-up (together about a quarter "
               "of an hour on 2 cores), the SFT and the measurements above, whose minutes each line gives "
               "(measured on a shared machine: idle cores are faster). Finished parts are reused when run "
-              "again; `--card-only` rewrites this card from the files in the folder.", "",
+              "again; `--card-only` rewrites this card from the files in the folder, and `--measure-only` "
+              "measures the start again where its files were made under an earlier reward version, then "
+              "rewrites the card.", "",
               "## Use", "", "```python", "from sinkflex_core import models, start",
               "policy = models.load_policy(start.start_dir())", "```", "",
               "GRPO from it: `sinkflex train --model data/retail-tiny-start` (preset `tiny-cpu`, which plays "
@@ -465,12 +469,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sink-stage", action="store_true",
                    help=f"end the SFT with {SINK_STAGE_STEPS} steps on the tiny-cpu preset's sink attention")
     p.add_argument("--card-only", action="store_true", help="only rewrite README.md from the folder's files")
+    p.add_argument("--measure-only", action="store_true",
+                   help="train nothing: measure the start in the folder again where its files were made with "
+                        "other weights or under an earlier reward version, then rewrite README.md")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     if args.card_only:
         print(write_card(Path(args.out) if args.out else start_dir()))
         return 0
     out_dir = Path(args.out) if args.out else start_dir()
+    if args.no_progress:
+        from . import models
+
+        models.hide_loading_bars()
+    if args.measure_only:
+        if not (out_dir / "model.safetensors").is_file():
+            p.error(f"{out_dir} holds no policy (model.safetensors) to measure")
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        measure(out_dir, args.test_samples, args.screen_samples, progress=not args.no_progress)
+        print(write_card(out_dir))
+        return 0
     if (out_dir / "model.safetensors").is_file() and (out_dir / "recipe").is_dir():
         made_by = recipe_flags(recipe_stages(out_dir))
         asked = [f"--{flag}" for flag, _ in STAGE_FLAGS if getattr(args, flag.replace("-", "_"))]

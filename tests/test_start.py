@@ -201,6 +201,19 @@ def test_measure_plays_full_and_sink_attention_and_reuses_finished_parts(random_
     tests[tests["attention"] == "saved"].to_csv(random_start / "test_rewards.csv", index=False)
     start.measure(random_start, test_samples=1, screen_samples=1, progress=False, test_tasks=2, screen_tasks=2)
     assert len(calls) == 4 and calls[-1] is not None
+    # a part played under an earlier reward version is played again, the others kept
+    tests = pd.read_csv(random_start / "test_rewards.csv")
+    tests.loc[tests["attention"] == "saved", "reward_version"] -= 1
+    tests.to_csv(random_start / "test_rewards.csv", index=False)
+    start.measure(random_start, test_samples=1, screen_samples=1, progress=False, test_tasks=2, screen_tasks=2)
+    assert len(calls) == 5 and calls[-1] is None
+    assert set(pd.read_csv(random_start / "test_rewards.csv")["reward_version"]) == {train.reward_version()}
+
+
+def test_measure_only_refuses_a_folder_without_a_policy(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        start.main(["--measure-only", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "holds no policy" in capsys.readouterr().err
 
 
 def test_measure_plays_a_start_trained_with_sink_attention_with_it_and_with_full_attention(tmp_path, monkeypatch):

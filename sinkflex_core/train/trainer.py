@@ -564,9 +564,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n# on one node with 8 GPUs:\n" + torchrun_command(cfg, 8))
         return 0
     if not cfg.progress:  # transformers' own bars (loading and writing weights) too
-        from transformers.utils import logging as hf_logging
+        from .. import models
 
-        hf_logging.disable_progress_bar()
+        models.hide_loading_bars()
     dist = init_distributed()
     if cfg.model == "tiny" and dist.main:  # said once, not by every rank
         print("sinkflex train: note: model=tiny is a randomly initialised policy; it solves no task, so every "
