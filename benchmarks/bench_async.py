@@ -84,6 +84,8 @@ def main() -> None:
                    help="rounds over the configurations (interleaved, so a change of load hits them all)")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
+    if args.steps < 2:  # step 1 is left out of the figures: no step would be left to time
+        p.error("--steps must be at least 2 (the first step is not timed)")
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:

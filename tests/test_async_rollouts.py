@@ -162,6 +162,39 @@ def test_a_run_killed_mid_update_resumes_with_a_fresh_worker_and_trains_no_group
 
 
 @pytest.mark.slow
+def test_a_worker_whose_learner_died_samples_no_queued_step_and_exits(tokenizer_dir, tmp_path):
+    """The learner died (SIGKILL) with three steps queued for the worker. The worker must not sample them
+    for nobody, and must exit although nobody reads its results: it holds the results pipe's read end
+    too, so a write into a full pipe never fails, it blocks, and with it the exit (the queue's feeder
+    thread is joined at exit). The worker is given a learner pid that is not its parent's, which is what
+    it sees once its learner is gone."""
+    import torch.multiprocessing as mp
+
+    from sinkflex_core.train.async_rollouts import rollout_worker
+
+    cfg = _cfg(tokenizer_dir, tmp_path / "run", group_size=4, max_turns=1, max_new_tokens_per_turn=400,
+               max_total_tokens=2048)  # ~70 kB of results a step: more than a pipe holds
+    ctx = mp.get_context("spawn")
+    requests, weights, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    weights.put(("weights", 0, {}))
+    for step in (1, 2, 3):
+        requests.put(("rollout", step, [0, 1], 0, [(0, 2)]))
+    proc = ctx.Process(target=rollout_worker, args=(cfg.to_dict(), -1, requests, weights, results), daemon=True)
+    proc.start()
+    try:
+        proc.join(timeout=90)
+        assert proc.exitcode == 0, "the worker of a dead learner did not exit"
+        assert results.qsize() == 0  # no step sampled for a learner that is gone
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        for q in (requests, weights, results):
+            q.cancel_join_thread()
+            q.close()
+
+
+@pytest.mark.slow
 def test_torchrun_two_ranks_share_one_worker_and_resume(tokenizer_dir, tmp_path):
     """`torchrun --nproc_per_node 2` (gloo, FSDP2), k = 1: rank 0's worker samples every step and rank 0
     hands each rank the groups of its share of the step's tasks. Two steps, the first by one trainer
@@ -201,6 +234,22 @@ def test_torchrun_two_ranks_share_one_worker_and_resume(tokenizer_dir, tmp_path)
     assert (out / "policy" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
+def test_no_progress_bars_from_the_worker_without_progress(tmp_path):
+    """`sinkflex train --set progress=false` (a log file's output): the command line turns transformers'
+    bars off, and the rollout worker, a process of its own, must not draw its "Loading weights" bar."""
+    cmd = [sys.executable, "-m", "sinkflex_core.train", "--model", str(ROOT / "data" / "retail-tiny-start"),
+           "--async-rollouts", "--out-dir", str(tmp_path / "run"), "--no-resume"]
+    for kv in ("steps=1", "tasks_per_step=1", "group_size=2", "eval_tasks=1", "eval_samples=1", "max_total_tokens=512",
+               "max_new_tokens_per_turn=16", "max_turns=2", "threads=1", "save_every=0", "tensorboard=false",
+               "progress=false", "max_minutes=0"):
+        cmd += ["--set", kv]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 1/1" in proc.stdout and "it/s]" not in proc.stderr, proc.stderr[-2000:]
+
+
 def test_what_async_rollouts_cannot_run_is_refused(tokenizer_dir, tmp_path):
     cfg, _ = train.config_from_argv(["--async-rollouts", "--max-staleness", "2", "--out-dir", str(tmp_path)])
     assert cfg.async_rollouts and cfg.max_staleness == 2
@@ -211,3 +260,52 @@ def test_what_async_rollouts_cannot_run_is_refused(tokenizer_dir, tmp_path):
     # GPU ids are text as given, never a number: "7" and "0,1" reach CUDA_VISIBLE_DEVICES unchanged
     cfg, _ = train.config_from_argv(["--async-rollouts", "--set", "rollout_worker_gpus=7", "--out-dir", str(tmp_path)])
     assert cfg.rollout_worker_gpus == "7"
+
+
+def _wait_for_queued_results(ar, n: int) -> None:
+    """Until the worker has put ``n`` results on the queue (none of them read yet)."""
+    deadline = time.monotonic() + 120
+    while ar.results.qsize() < n:
+        assert time.monotonic() < deadline, "the worker put no results in 120 s"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_worker_that_fails_after_putting_groups_reports_its_own_error(tokenizer_dir, tmp_path):
+    """k = 1: the worker samples steps 1 and 2, then fails (here: weights its model does not have) and
+    exits. The groups it put before failing are still read and trained on, and the next step stops with
+    the worker's own error message, not an error from reading the queue of a process that has gone."""
+    trainer = Trainer(_cfg(tokenizer_dir, tmp_path / "run", steps=3, async_rollouts=True, max_staleness=1,
+                           save_every=0))
+    ar = trainer.async_rollouts
+    try:
+        ar.start()  # version 0 sent; steps 1 and 2 requested
+        _wait_for_queued_results(ar, 2)
+        ar.weights.put(("weights", 1, {"no_such_parameter": torch.zeros(1)}))
+        ar.requests.put(("rollout", 99, [0], 1, [(0, 1)]))
+        ar.proc.join(timeout=60)
+        assert ar.proc.exitcode == 0  # it stopped by itself, after putting its error
+        assert [trainer.step()["step"] for _ in range(2)] == [1, 2]
+        with pytest.raises(RuntimeError, match="(?s)the rollout worker failed.*no_such_parameter"):
+            trainer.step()
+    finally:
+        ar.close()
+
+
+@pytest.mark.slow
+def test_a_worker_killed_after_putting_groups_is_reported_as_dead(tokenizer_dir, tmp_path):
+    """The worker is SIGKILLed (as by the OOM killer) after putting steps 1 and 2: those still train, and
+    step 3 stops with "the rollout worker died", not a ConnectionRefusedError from reading the queue."""
+    trainer = Trainer(_cfg(tokenizer_dir, tmp_path / "run", steps=3, async_rollouts=True, max_staleness=1,
+                           save_every=0))
+    ar = trainer.async_rollouts
+    try:
+        ar.start()
+        _wait_for_queued_results(ar, 2)
+        os.kill(ar.proc.pid, signal.SIGKILL)
+        ar.proc.join(timeout=30)
+        assert [trainer.step()["step"] for _ in range(2)] == [1, 2]
+        with pytest.raises(RuntimeError, match=r"the rollout worker died \(exit code -9\)"):
+            trainer.step()
+    finally:
+        ar.close()

@@ -307,3 +307,16 @@ def test_async_figures_are_regenerated_from_the_recording(tmp_path):
     assert made.loc["async_timeline.png", "status"] == "regenerated"
     for name in ("async_curves.png", "async_timeline.png"):
         assert (tmp_path / "fig" / name).stat().st_size > 10_000
+
+
+def test_bench_async_refuses_a_run_with_no_step_to_time(monkeypatch, capsys):
+    """bench_async leaves step 1 out of its figures (it includes the worker's start): with --steps 1 it
+    would train every configuration and then fail on the missing figures, so it is refused up front."""
+    from benchmark_scripts import load_benchmark
+
+    bench_async = load_benchmark("bench_async")
+    monkeypatch.setattr(bench_async, "run_one", lambda *a, **k: pytest.fail("a configuration was run"))
+    monkeypatch.setattr("sys.argv", ["bench_async.py", "--steps", "1", "--configs", "sync"])
+    with pytest.raises(SystemExit) as exc:
+        bench_async.main()
+    assert exc.value.code == 2 and "--steps must be at least 2" in capsys.readouterr().err

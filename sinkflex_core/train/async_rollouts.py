@@ -67,6 +67,7 @@ import copy
 import dataclasses
 import json
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -85,11 +86,16 @@ def rollout_worker(cfg_dict: dict, parent_pid: int, requests, weights, results) 
     ``rollout_backend="vllm"``, with a :class:`VLLMBackend` engine that every weight update reaches
     in place; serves ``requests``.
 
-    Exits on ``("stop",)``, or by itself within a second or so of its learner dying (a SIGKILLed
-    learner cannot tell it)."""
+    Exits on ``("stop",)``, or by itself once its learner has died (a SIGKILLed learner cannot tell it):
+    within a second or so when idle, else when the rollout call it is running ends (the steps queued
+    after it are not sampled)."""
     backend = None
     try:
         cfg = TrainConfig.from_dict(cfg_dict)
+        if not cfg.progress:  # as the command line does in the learner: a spawned process starts with the bars on
+            from .. import models
+
+            models.hide_loading_bars()
         if cfg.rollout_worker_gpus:  # before anything initialises CUDA in this process
             os.environ["CUDA_VISIBLE_DEVICES"] = cfg.rollout_worker_gpus
         from .. import rollout
@@ -110,6 +116,10 @@ def rollout_worker(cfg_dict: dict, parent_pid: int, requests, weights, results) 
         params = dict(model.named_parameters())
         version = -1
 
+        def orphaned() -> bool:
+            """Whether the learner has died (this process then belongs to another parent)."""
+            return os.getppid() != parent_pid
+
         def load(state: dict) -> None:
             unknown = sorted(set(state) - set(params))
             if unknown:
@@ -129,7 +139,7 @@ def rollout_worker(cfg_dict: dict, parent_pid: int, requests, weights, results) 
                 except queue.Empty:
                     if got >= min_version:
                         return got
-                    if os.getppid() != parent_pid:
+                    if orphaned():
                         raise SystemExit(0) from None
                     continue
                 load(msg[2])
@@ -139,7 +149,7 @@ def rollout_worker(cfg_dict: dict, parent_pid: int, requests, weights, results) 
             try:
                 msg = requests.get(timeout=_POLL_S)
             except queue.Empty:
-                if os.getppid() != parent_pid:
+                if orphaned():
                     return
                 continue
             if msg[0] == "stop":
@@ -147,18 +157,27 @@ def rollout_worker(cfg_dict: dict, parent_pid: int, requests, weights, results) 
             _, step, tasks, min_version, calls = msg
             seed = derive_seed(cfg.seed, "train", step) & 0x7FFFFFFF
             for i, j in calls:
+                if orphaned():  # a dead learner's queued steps: nobody would train them
+                    return
                 version = newest(min_version)
                 t0, started = time.perf_counter(), time.time()
                 torch.manual_seed(seed)
                 rcfg = rollout_config_of(cfg, seed)
                 batch = rollout.collect_rollouts(backend, tokenizer, cfg.env_id, tasks[i:j], cfg.train_split, rcfg)
-                results.put(("batch", step, version, i, batch, time.perf_counter() - t0, started,
-                             type(backend).__name__))
+                # By value, not as torch's shared-memory handles: those are served by this process and
+                # die with it, so groups it put before failing (or being killed) could not be read, and
+                # the learner would fail on them instead of reporting this worker's error.
+                results.put(("batch", step, version, i, pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL),
+                             time.perf_counter() - t0, started, type(backend).__name__))
     except SystemExit:
         return
     except BaseException:
         results.put(("error", traceback.format_exc()))
     finally:
+        if os.getppid() != parent_pid:
+            # Nobody reads the results any more: exit without waiting for the queue's feeder thread,
+            # which blocks for good once the pipe is full (this process holds its read end too).
+            results.cancel_join_thread()
         close = getattr(backend, "close", None)
         if close is not None:  # vLLM: its engine's processes end with it
             close()
@@ -298,6 +317,7 @@ class AsyncRollouts:
         if msg[0] == "error":
             raise RuntimeError("the rollout worker failed:\n" + msg[1])
         _, step, version, offset, batch, seconds, started, self.backend_name = msg
+        batch = pickle.loads(batch)
         # the call's start on the learner's clock (elapsed_s): both processes read the same wall clock
         begin = self.trainer.elapsed() - (time.time() - started)
         self.ready[step]["calls"][offset] = (version, batch, seconds, begin)
