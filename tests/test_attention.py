@@ -729,3 +729,33 @@ def test_sinkflex_by_name_without_settings_is_refused():
         out = model(input_ids=ids).logits
         assert torch.allclose(out, switched(input_ids=ids).logits, atol=1e-6)
         assert (out - stock(input_ids=ids).logits).abs().max() > 1e-3  # the window of 4 does cut
+
+
+@pytest.mark.parametrize("backend", ["fused", "chunked", "flex"])
+def test_sink_logit_of_minus_infinity_with_padding_gives_no_nan(backend):
+    """A sink logit of -inf (the sink takes no mass) on a batch with a padding query that sees no key:
+    that row's output is 0 as in the reference, not NaN (which the next layer would spread to the real
+    tokens of its row)."""
+    torch.manual_seed(0)
+    mask = A.SinkFlexMask.from_segment_ids(torch.tensor([[-1, -1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0]]))
+    q, k, v = (torch.randn(2, 2, 7, 4) for _ in range(3))
+    s = torch.tensor([float("-inf"), 0.5])
+    out = A.sink_attention(q, k, v, mask, n_sink=1, window=3, sink_logits=s, backend=backend, chunk_size=3)
+    ref = A.reference_attention(q, k, v, mask, n_sink=1, window=3, sink_logits=s)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+
+
+def test_sink_logit_of_minus_infinity_keeps_left_padded_rows_finite():
+    """The same through a model: apply(..., sink_init=-inf) and a batch with a left-padded row give that
+    row's real tokens the logits of the row alone, on both CPU paths."""
+    model = A.apply(tiny_model(), n_sink=2, window=4, sink_init=float("-inf"))
+    ids = torch.randint(2, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    am = torch.ones_like(ids)
+    am[0, :2] = 0
+    with torch.no_grad():
+        alone = model(input_ids=ids[:1, 2:]).logits
+        for backend in ("auto", "chunked"):
+            A.apply(model, n_sink=2, window=4, backend=backend)
+            out = model(input_ids=ids, attention_mask=am).logits
+            torch.testing.assert_close(out[0, 2:], alone[0], atol=1e-4, rtol=0)

@@ -320,3 +320,46 @@ def test_bench_async_refuses_a_run_with_no_step_to_time(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         bench_async.main()
     assert exc.value.code == 2 and "--steps must be at least 2" in capsys.readouterr().err
+
+
+def test_a_case_that_did_not_run_is_not_reported_as_out_of_memory(tmp_path):
+    """A GPU run whose time budget ran out before the standard 8k case records it as 'skipped' (never run):
+    the results table must not call that an out-of-memory, 'same outcome' as the paper's. A case skipped
+    because a shorter length of it ran out of memory still reads OOM."""
+    import io
+    import shutil
+
+    import pandas as pd
+
+    from sinkflex_core.paths import data_dir
+
+    shutil.copy(data_dir() / "paper_claims.csv", tmp_path / "paper_claims.csv")
+    claim = "standard setup at 8,192 tokens"
+    settings = bench.Settings(preset="tiny", device="cpu")
+    rows = bench.run_cases([bench.Case("sdpa", "full", "plain", 8192)], settings, tmp_path / "vram_h200.csv",
+                           budget_s=0.0, stream=io.StringIO())
+    assert rows[0]["status"] == "skipped"
+    assert bench.paper_vs_ours(tmp_path).set_index("claim").loc[claim, "ours"] == "not measured yet"
+    for status, note in (("timeout", "no result within 120 s"), ("error", "RuntimeError: boom")):
+        row = bench.row_for(bench.Case("sdpa", "full", "plain", 8192), settings.resolved(),
+                            {"status": status, "note": note}, {})
+        pd.DataFrame([row]).to_csv(tmp_path / "vram_h200.csv", index=False)
+        assert bench.paper_vs_ours(tmp_path).set_index("claim").loc[claim, "ours"] == "not measured yet"
+    row = bench.row_for(bench.Case("sdpa", "full", "plain", 8192), settings.resolved(),
+                        {"status": "skipped", "note": "not run: the same case ran out of memory at 4096 tokens"}, {})
+    pd.DataFrame([row]).to_csv(tmp_path / "vram_h200.csv", index=False)
+    assert bench.paper_vs_ours(tmp_path).set_index("claim").loc[claim, "ours"] == "OOM"
+def test_a_run_capped_at_the_whole_of_an_80_gb_card_counts_for_the_80_gib_target(tmp_path):
+    """On an 80 GB H100, --cap-gib 80 leaves the whole card (~79.2 GiB), which run_case records as the
+    cap in force; such a row is under the 80 GiB cap and counts for the longest-trajectory target."""
+    import pandas as pd
+
+    case = Case("sinkflex", "chunked", "tiled", 131072)
+    settings = Settings(preset="qwen25-7b", device="cuda", cap_gib=80.0, dtype="bf16", chunk_size=512,
+                        slice_tokens=8192, window=4096)
+    result = {"status": "ok", "cap_gib": 79.19, "peak_gib": 61.0, "memory_metric": "cuda_max_allocated"}
+    row = bench.row_for(case, settings, result, {"gpu": "NVIDIA H100 80GB HBM3"})
+    pd.DataFrame([row]).to_csv(tmp_path / "vram_h100-80gb-hbm3.csv", index=False)
+    report = bench.targets_report(bench.load_vram_results(tmp_path)).set_index("target")
+    longest = report.loc["longest trajectory under the 80 GiB cap: 131,072 tokens"]
+    assert longest["measured"].startswith("131072 tokens") and longest["met"] == "yes"

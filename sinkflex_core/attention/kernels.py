@@ -45,9 +45,14 @@ def apply_zero_value_sink(out: Tensor, lse: Tensor, sink_logits: Tensor | None) 
     if sink_logits is None:
         return out
     _check_sink_shape(sink_logits, out.shape[1])
+    lse = lse.float()
+    # a row that sees no key (a padding query: lse = -inf) has output 0 whatever its gate; a finite
+    # stand-in keeps a sink logit of -inf from making that 0 * sigmoid(-inf + inf) = NaN, which the
+    # next layer would spread to the real tokens (0 * NaN in probabilities @ values)
+    lse = torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)
     # 1 - sigmoid(s - lse) is sigmoid(lse - s) written so that its gradient survives in float32 at a
     # very negative initial s (sigmoid(lse - s) would round to exactly 1 and pass a zero gradient)
-    gate = 1.0 - torch.sigmoid(sink_logits.float().view(1, -1, 1) - lse.float())
+    gate = 1.0 - torch.sigmoid(sink_logits.float().view(1, -1, 1) - lse)
     return (out.float() * gate.unsqueeze(-1)).to(out.dtype)
 
 
