@@ -190,13 +190,39 @@ def run_dir_of(out_root: Path, attention: str, seed: int) -> Path:
     return out_root / attention / f"grpo_seed{seed}"
 
 
-def start_test_rows(sft_dir: Path, attention: str, samples: int, tasks: int) -> pd.DataFrame:
+def measured_copy(sft_dir: Path, scratch: Path) -> Path:
+    """A start that lives in data/ (the shipped one) is measured in a copy, ``scratch/<its name>``: its
+    ``test_rewards.csv`` is the recorded measurement its model card states, which a measurement of other
+    settings (``--test-samples``, ``--smoke``) would replace. The copy starts with the recorded rows and
+    its own earlier ones (:func:`sinkflex_core.start.measure` reuses whichever fit). Other folders are
+    measured in place."""
+    if not sft_dir.resolve().is_relative_to(data_dir().resolve()):
+        return sft_dir
+    import shutil
+
+    copy = scratch / sft_dir.name
+    copy.mkdir(parents=True, exist_ok=True)
+    for name in start.POLICY_FILES:
+        if (sft_dir / name).is_file():
+            shutil.copy2(sft_dir / name, copy / name)
+    known = [pd.read_csv(f, dtype={"policy_digest": str, "git_sha": str})
+             for f in (sft_dir / "test_rewards.csv", copy / "test_rewards.csv") if f.is_file()]
+    if known:
+        pd.concat(known, ignore_index=True).drop_duplicates().to_csv(copy / "test_rewards.csv", index=False)
+    return copy
+
+
+def start_test_rows(sft_dir: Path, attention: str, samples: int, tasks: int,
+                    scratch: Path | None = None) -> pd.DataFrame:
     """The start's held-out successes as the ``attention`` run starts it: full attention for ``sdpa``,
     the preset's sink attention for ``sinkflex`` (a start trained with sink attention: its own, and its
     weights with full attention for ``sdpa``), measured once per start and cached in its
-    ``test_rewards.csv`` by :func:`sinkflex_core.start.measure`."""
+    ``test_rewards.csv`` by :func:`sinkflex_core.start.measure` (a start in data/: in a copy under
+    ``scratch``, :func:`measured_copy`)."""
     from sinkflex_core.train.evaluate import attention_label
 
+    if scratch is not None:
+        sft_dir = measured_copy(sft_dir, scratch)
     if attention_settings(sft_dir) is None and not (sft_dir / "sinkflex_sinks.json").is_file():
         start.estimate_sinks(sft_dir)  # a start trained here: its per-layer sink counts, as the runs estimate them
     start.measure(sft_dir, test_samples=samples, screen_samples=0, test_tasks=tasks, progress=False)
@@ -256,6 +282,21 @@ def main(argv: list[str] | None = None) -> int:
                         "--seeds, --attentions and --parallel they ran with)")
     p.add_argument("--measure", default=None, metavar="RUN_DIR", help=argparse.SUPPRESS)  # one run's final test
     args = p.parse_args(argv)
+    # every argument checked before any work (the start's SFT stages, hours with --train-start)
+    if args.parallel < 1:
+        p.error(f"--parallel must be >= 1, got {args.parallel}")
+    if args.screen_samples < 0 or args.test_samples < 0:
+        p.error("--screen-samples and --test-samples must be >= 0")
+    bad = [kv for kv in args.set if "=" not in kv]
+    if bad:
+        p.error(f"--set takes KEY=VALUE, got {' '.join(bad)}")
+    overrides = dict(kv.split("=", 1) for kv in args.set)
+    if "attention" in overrides:
+        p.error("choose the attention with --attentions, not --set attention=...")
+    known = {f.name for f in dataclasses.fields(train.TrainConfig)}
+    unknown = sorted(k for k in overrides if k.replace("-", "_") not in known)
+    if unknown:
+        p.error(f"--set: unknown GRPO config key(s) {unknown}")
 
     root = repo_root()
     out_root = Path(args.out_root) if Path(args.out_root).is_absolute() else root / args.out_root
@@ -290,11 +331,6 @@ def main(argv: list[str] | None = None) -> int:
                 "or train one with --train-start")
     else:
         sft_dir = start.start_dir()
-    overrides = dict(kv.split("=", 1) for kv in args.set)
-    if "attention" in overrides:
-        p.error("choose the attention with --attentions, not --set attention=...")
-    if args.screen_samples < 0 or args.test_samples < 0:
-        p.error("--screen-samples and --test-samples must be >= 0")
     if args.screen_samples and "task_screen" not in overrides:
         if args.smoke:  # the smoke policy solves nothing: a screen would leave no task
             print("smoke: no screen of the training tasks", flush=True)
@@ -359,7 +395,8 @@ def record(out_root: Path, sft_dir: Path, attentions: list[str], seeds: list[int
         write_sft_table(parts)
     tables, tests = [], []
     for attention in attentions:
-        begin = start_test_rows(sft_dir, attention, test_samples, n_test).sort_values("task") if test_samples else None
+        begin = (start_test_rows(sft_dir, attention, test_samples, n_test, scratch=out_root / "start_measured")
+                 .sort_values("task") if test_samples else None)
         for seed in seeds:
             run_dir = run_dir_of(out_root, attention, seed)
             screen = json.loads((run_dir / "config.json").read_text()).get("task_screen", "")

@@ -247,8 +247,27 @@ class SFTConfig:
             raise ConfigError(f"n_sink must be an integer >= 0, got {self.n_sink!r}")
         if not (isinstance(self.window, int) and self.window >= 1):
             raise ConfigError(f"window must be a positive integer, got {self.window!r}")
+        if not self.init_from:  # the new model's shape, before the expert data and the warm-ups
+            from .models import tiny_qwen2_config
+
+            try:
+                mcfg = tiny_qwen2_config(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                                         num_layers=self.num_layers, num_heads=self.num_heads or None,
+                                         num_kv_heads=self.num_kv_heads or None)
+            except ValueError as err:
+                raise ConfigError(f"model shape: {err}") from None
+            group = mcfg.num_attention_heads // mcfg.num_key_value_heads
+            if self.previous_token_heads and group < 2:
+                raise ConfigError(f"previous_token_heads needs two query heads per key-value head, got "
+                                  f"{mcfg.num_attention_heads} heads and {mcfg.num_key_value_heads} key-value "
+                                  f"heads (set num_kv_heads lower, or previous_token_heads false)")
+            n_layers = self.num_layers
+        else:
+            n_layers = json.loads((Path(self.init_from) / "config.json").read_text()).get("num_hidden_layers")
         if self.attention == "sinkflex":
-            self.sink_counts()  # a missing or malformed layer_sinks is refused before any work
+            counts = self.sink_counts()  # a missing or malformed layer_sinks is refused before any work
+            if counts is not None and n_layers is not None and len(counts) != n_layers:
+                raise ConfigError(f"layer_sinks has {len(counts)} counts for a model of {n_layers} layers")
 
     def sink_counts(self) -> list[int] | None:
         """The per-layer sink counts ``layer_sinks`` names (None: ``n_sink`` in every layer)."""
@@ -540,7 +559,13 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
         _check_writable(out_dir)
     val_ids, n_train = _task_split(cfg)
     tokenizer, data, openings = _expert_data(cfg, n_train)
+    init_digest = _weights_digest(cfg.init_from) if cfg.init_from else None
     policy = TokenLogprobs(_build_model(cfg, tokenizer))
+    if out_dir is not None:  # counts estimated on the weights this run replaces (start.build re-estimates them)
+        from .attention import SINKS_FILENAME
+
+        if Path(cfg.init_from or "").resolve() != out_dir.resolve():
+            (out_dir / SINKS_FILENAME).unlink(missing_ok=True)
     kit = _prepare(policy, cfg, tokenizer, data, openings, val_ids, rng)
     progress = _train_loop(policy, cfg, kit, rng, out_dir)
     model = policy.lm
@@ -549,11 +574,31 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     model.eval()
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
+        _unmark_finished(out_dir)
         _save_policy(model, tokenizer, out_dir)
-        (out_dir / "sft_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
         _write_history(out_dir / "sft_history.csv", progress.history)
+        # last, and whole or not at all: sft_config.json marks a finished run (train_or_reuse reuses it)
+        # with the digest of the weights it continued (train_or_reuse: a base trained again makes it stale)
+        extra = {"init_from_digest": init_digest} if init_digest else {}
+        tmp = out_dir / "sft_config.json.tmp"
+        tmp.write_text(json.dumps({**dataclasses.asdict(cfg), **extra}, indent=1) + "\n")
+        tmp.replace(out_dir / "sft_config.json")
     return SFTResult(model=model, tokenizer=tokenizer, history=progress.history, steps=progress.step,
                      stopped_early=progress.stopped, out_dir=out_dir)
+
+
+def _unmark_finished(folder: Path) -> None:
+    """Remove ``folder``'s ``sft_config.json``, the mark of a finished run, before this run writes
+    anything there: a run cut off after that point (its history or weights half replaced) must not leave
+    the folder looking like the earlier run's finished one to :func:`train_or_reuse`."""
+    (folder / "sft_config.json").unlink(missing_ok=True)
+
+
+def _weights_digest(folder: str | Path) -> str:
+    """The digest of a saved policy's weights (:func:`sinkflex_core.train.policy_digest`)."""
+    from .train.evaluate import policy_digest
+
+    return policy_digest(folder)
 
 
 def _check_writable(folder: Path) -> None:
@@ -671,6 +716,8 @@ def _prepare(policy: TokenLogprobs, cfg: SFTConfig, tokenizer, data: list[dict[s
     # copy the chat tokens and the ~630 reserved ids that the episodes never contain
     special = set(tokenizer.all_special_ids)
     copy_tokens = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
+    # before the warm-ups (it draws nothing from rng): an action tool the expert never calls is refused at once
+    cuts = _action_cuts(cfg, tokenizer, data) if cfg.action_rows else None
     if cfg.copy_warmup_steps and not cfg.init_from:
         copy_warmup(policy, cfg, copy_tokens, rng)
     recall = recall_tokens(tokenizer, data) if cfg.recall_fraction or cfg.recall_warmup_steps else None
@@ -691,7 +738,6 @@ def _prepare(policy: TokenLogprobs, cfg: SFTConfig, tokenizer, data: list[dict[s
     # remembering their zip code
     identity_groups = swap_groups + number_groups if openings or cfg.action_rows else []
     quotes = quote_tokens(tokenizer) if (openings or cfg.action_rows) and cfg.identity_values == "whole" else None
-    cuts = _action_cuts(cfg, tokenizer, data) if cfg.action_rows else None
     if cfg.identity_warmup_steps:
         identity_warmup(policy, cfg, openings, identity_groups, pad, tables, rng, quotes)
     number_group = number_groups if cfg.swap_numbers else []
@@ -838,6 +884,7 @@ def _evaluate(model, cfg: SFTConfig, kit: _Ingredients, progress: _Progress, bar
     else:  # without a progress bar the evaluations are still logged
         print(msg, file=sys.stderr)
     if out_dir is not None:
+        _unmark_finished(out_dir)
         _write_history(out_dir / "sft_history.csv", progress.history)
         if cfg.save_snapshots:
             _save_policy(model, kit.tokenizer, out_dir / "snapshots" / f"step_{step:06d}")
@@ -908,7 +955,7 @@ def train_or_reuse(cfg: SFTConfig) -> Path:
                 if k not in ("threads", "progress", "out_dir", "save_snapshots")}
 
     if (out / "sft_config.json").is_file() and (out / "model.safetensors").is_file():
-        if key(saved_config(out)) == key(dataclasses.asdict(cfg)):
+        if key(saved_config(out)) == key(dataclasses.asdict(cfg)) and _same_inputs(cfg, out):
             print(f"SFT: reusing {out} (same config)", file=sys.stderr, flush=True)
             return out
     print(f"SFT: training -> {out}", file=sys.stderr, flush=True)
@@ -917,6 +964,22 @@ def train_or_reuse(cfg: SFTConfig) -> Path:
     print(f"SFT: {result.steps} steps, {last['elapsed_s'] / 60:.1f} min, validation reward {last['val_reward']:.3f}",
           file=sys.stderr, flush=True)
     return out
+
+
+def _same_inputs(cfg: SFTConfig, out: Path) -> bool:
+    """Whether the finished run in ``out`` was made from what ``cfg``'s paths hold now: the weights of
+    ``init_from`` (their digest, recorded since; a run saved before is taken as made from them) and, with
+    sink attention, the per-layer sink counts ``layer_sinks`` names (the ones saved with the weights)."""
+    from . import attention
+
+    recorded = json.loads((out / "sft_config.json").read_text()).get("init_from_digest")
+    if cfg.init_from and recorded and recorded != _weights_digest(cfg.init_from):
+        return False
+    if cfg.attention == "sinkflex":
+        saved = attention.attention_settings(out)
+        if saved is None or saved["layer_sinks"] != cfg.sink_counts():
+            return False
+    return True
 
 
 def _write_history(path: Path, rows: list[dict]) -> None:

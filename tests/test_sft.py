@@ -766,3 +766,120 @@ def test_a_saved_config_from_before_the_attention_options_is_reused_as_full_atte
     assert sft.train_or_reuse(cfg) == tmp_path
     with pytest.raises(AssertionError, match="trained again"):
         sft.train_or_reuse(sft.SFTConfig(**{**SMALL, "out_dir": str(tmp_path), "attention": "sinkflex"}))
+
+
+def test_a_retrain_cut_off_in_a_finished_folder_is_not_reused_as_the_earlier_run(tmp_path, monkeypatch):
+    """A finished run A, then a run B of another config into the same folder, cut off after its first
+    evaluation (its history written) or while saving (its weights written): train_or_reuse(A) must not
+    reuse the folder as A's finished run, and an interruption before B writes anything keeps A."""
+    small = {**SMALL, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "train_tasks": 4,
+             "max_total_tokens": 512, "max_turns": 3, "max_new_tokens_per_turn": 16, "copy_warmup_steps": 1,
+             "stop_at_reward": 0.0, "max_steps": 2, "eval_every": 1, "out_dir": str(tmp_path / "sft")}
+    a, b = sft.SFTConfig(**small), sft.SFTConfig(**{**small, "lr": 1e-3})
+    sft.train_or_reuse(a)
+    weights_a = (tmp_path / "sft" / "model.safetensors").read_bytes()
+    trained = []
+    real_train = sft.train_sft
+
+    def counting(cfg, save=True):
+        trained.append(cfg.lr)
+        return real_train(cfg, save)
+
+    monkeypatch.setattr(sft, "train_sft", counting)
+
+    def cut_off(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    # cut off before B writes into the folder (during its data or warm-ups): A stays reusable
+    with monkeypatch.context() as m:
+        m.setattr(sft, "_prepare", cut_off)
+        with pytest.raises(KeyboardInterrupt):
+            sft.train_or_reuse(b)
+    sft.train_or_reuse(a)
+    assert trained == [1e-3]
+    # cut off after B's first evaluation (its history replaced A's)
+    real_eval = sft._evaluate
+
+    def evaluate_then_stop(*args, **kwargs):
+        real_eval(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(sft, "_evaluate", evaluate_then_stop)
+        with pytest.raises(KeyboardInterrupt):
+            sft.train_or_reuse(b)
+    sft.train_or_reuse(a)
+    assert trained == [1e-3, 1e-3, 2e-3]  # trained again, not reused with B's history
+    # killed while saving: B's weights written, its config not yet
+    real_save = sft._save_policy
+
+    def save_then_die(*args):
+        real_save(*args)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(sft, "_save_policy", save_then_die)
+        with pytest.raises(KeyboardInterrupt):
+            sft.train_or_reuse(b)
+    assert (tmp_path / "sft" / "model.safetensors").read_bytes() != weights_a
+    sft.train_or_reuse(a)
+    assert trained == [1e-3, 1e-3, 2e-3, 1e-3, 2e-3]
+    assert (tmp_path / "sft" / "model.safetensors").read_bytes() == weights_a  # A again (seeded)
+    assert json.loads((tmp_path / "sft" / "sft_config.json").read_text())["lr"] == 2e-3
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_a_stage_is_trained_again_when_its_base_or_its_sink_counts_changed(tmp_path, monkeypatch):
+    """train_or_reuse of a stage continued from another run (init_from) notices that the base was trained
+    again, although the stage's own settings override the base's changed one (max_steps), and that the
+    sink counts file its layer_sinks names now holds other counts."""
+    small = {**SMALL, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "train_tasks": 4,
+             "max_total_tokens": 512, "max_turns": 3, "max_new_tokens_per_turn": 16, "copy_warmup_steps": 1,
+             "stop_at_reward": 0.0, "eval_every": 2}
+    stage = {"identity_warmup_steps": 1, "identity_rows": 1, "max_steps": 1, "eval_every": 1}
+    base = sft.train_or_reuse(sft.SFTConfig(**small, max_steps=2, out_dir=str(tmp_path / "sft")))
+    sft.train_or_reuse(sft.identity_stage(base, tmp_path / "sft_identity", **stage))
+    trained = []
+    real_train = sft.train_sft
+
+    def counting(cfg, save=True):
+        trained.append(Path(cfg.out_dir).name)
+        return real_train(cfg, save)
+
+    monkeypatch.setattr(sft, "train_sft", counting)
+    sft.train_or_reuse(sft.identity_stage(base, tmp_path / "sft_identity", **stage))
+    assert trained == []  # nothing changed: reused
+    sft.train_or_reuse(sft.SFTConfig(**small, max_steps=4, out_dir=str(tmp_path / "sft")))
+    sft.train_or_reuse(sft.identity_stage(base, tmp_path / "sft_identity", **stage))
+    assert trained == ["sft", "sft_identity"]
+    # a sink-attention stage whose counts file changed since
+    (base / "sinkflex_sinks.json").write_text(json.dumps({"n_sink": [1]}))
+    sink = {**stage, "identity_warmup_steps": 0, "identity_rows": 0, "attention": "sinkflex", "window": 64,
+            "layer_sinks": str(base / "sinkflex_sinks.json")}
+    sft.train_or_reuse(sft.identity_stage(base, tmp_path / "sft_sink", **sink))
+    sft.train_or_reuse(sft.identity_stage(base, tmp_path / "sft_sink", **sink))
+    assert trained == ["sft", "sft_identity", "sft_sink"]
+    (base / "sinkflex_sinks.json").write_text(json.dumps({"n_sink": [2]}))
+    sft.train_or_reuse(sft.identity_stage(base, tmp_path / "sft_sink", **sink))
+    assert trained == ["sft", "sft_identity", "sft_sink", "sft_sink"]
+    # counts estimated on a folder's weights go when those weights are trained again
+    sft.train_or_reuse(sft.SFTConfig(**small, max_steps=3, out_dir=str(tmp_path / "sft")))
+    assert not (base / "sinkflex_sinks.json").exists()
+
+
+def test_options_that_cannot_work_are_refused_before_the_warm_ups(tmp_path, monkeypatch):
+    with pytest.raises(train.ConfigError, match="not a multiple"):
+        sft.SFTConfig(hidden_size=32, num_heads=3, num_kv_heads=1).validate()
+    with pytest.raises(train.ConfigError, match="previous_token_heads"):
+        sft.SFTConfig(num_heads=2, num_kv_heads=2).validate()
+    sft.SFTConfig(num_heads=2, num_kv_heads=2, previous_token_heads=False).validate()
+    with pytest.raises(train.ConfigError, match="3 counts for a model of 2 layers"):
+        sft.SFTConfig(num_layers=2, attention="sinkflex", layer_sinks=[4, 4, 4]).validate()
+
+    def no_warmup(*args, **kwargs):
+        raise AssertionError("warm-up before the options were checked")
+
+    monkeypatch.setattr(sft, "copy_warmup", no_warmup)
+    with pytest.raises(train.ConfigError, match="never call"):
+        sft.train_sft(sft.SFTConfig(**{**SMALL, "train_tasks": 4, "action_rows": 1, "action_tools": "no_such_tool",
+                                       "out_dir": str(tmp_path / "sft")}))

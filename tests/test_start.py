@@ -294,3 +294,56 @@ def test_sink_stage_continues_the_sft_on_the_presets_sink_attention_and_the_card
     assert f"sink attention: a window of {preset.window} keys, with the learned zero-value sink" in card
     assert "Trained with full causal attention" not in card and "Test reward with its saved sink attention" in card
     assert "python -m sinkflex_core.start --sink-stage" in card and card == start.card_text(out)
+
+
+def test_reproduce_curve_refuses_bad_arguments_before_any_work(monkeypatch, capsys):
+    """--parallel 0 would start no run and wait forever; the other arguments were checked only after the
+    start's SFT stages (hours with --train-start), --set without '=' as a traceback."""
+    curve = load_benchmark("reproduce_curve")
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the arguments were checked")
+
+    monkeypatch.setattr(curve, "run_sft", no_work)
+    monkeypatch.setattr(curve.start, "build", no_work)
+    monkeypatch.setattr(curve.train, "count_tasks", no_work)
+    for bad, says in ((["--parallel", "0"], "--parallel"), (["--set", "foo"], "KEY=VALUE"),
+                      (["--set", "attention=sdpa"], "--attentions"), (["--screen-samples", "-1"], ">= 0"),
+                      (["--set", "no_such_key=1"], "unknown")):
+        for start_from in (["--smoke"], ["--train-start"]):
+            with pytest.raises(SystemExit) as exc:
+                curve.main(start_from + bad)
+            assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_reproduce_curve_measures_a_start_in_data_in_a_copy(tmp_path, monkeypatch):
+    """A recording with other test settings than the start's recorded ones (--test-samples, --smoke) must
+    not replace the measurement the shipped start's card states; the recorded one is still reused."""
+    import shutil
+
+    curve = load_benchmark("reproduce_curve")
+    data = tmp_path / "data"
+    shipped = data / SHIPPED.name
+    shutil.copytree(SHIPPED, shipped)
+    monkeypatch.setattr(curve, "data_dir", lambda: data)
+    # as recorded under the current reward (the second call below reuses it)
+    pd.read_csv(shipped / "test_rewards.csv", dtype={"policy_digest": str, "git_sha": str}).assign(
+        reward_version=train.reward_version()).to_csv(shipped / "test_rewards.csv", index=False)
+    recorded = (shipped / "test_rewards.csv").read_bytes()
+    calls = []
+    real = train.success_table
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("saved_attention", True))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train, "success_table", counted)
+    monkeypatch.setattr(train.evaluate, "success_table", counted)
+    rows = curve.start_test_rows(shipped, "sdpa", 1, 2, scratch=tmp_path / "runs")
+    assert len(rows) == 2 and set(rows["tries"]) == {1} and calls == [True, False]
+    assert (shipped / "test_rewards.csv").read_bytes() == recorded
+    # the recorded measurement (all test tasks x 8) is reused from the copy, not played again
+    n_test = pd.read_csv(shipped / "test_rewards.csv")["task"].nunique()
+    rows = curve.start_test_rows(shipped, "sdpa", 8, n_test, scratch=tmp_path / "runs")
+    assert len(rows) == n_test and calls == [True, False]
+    assert (shipped / "test_rewards.csv").read_bytes() == recorded
