@@ -115,12 +115,16 @@ print("\nreward:", reward, "|", last_info["reward_info"])
 # At the end of an episode the environment hashes a canonical dump of every table. It replays the
 # task's ground-truth actions on a fresh copy of the initial database and hashes that too. The reward
 # is 1 when the two hashes are equal *and* every required output (for example an order's total) was
-# said to the customer. An order's status (or "not available") counts only in a message that names no
-# other of those labels: a message listing all four statuses would otherwise answer about a fifth of the
-# tasks without a single tool call, a shortcut that reinforcement learning finds. Reads never matter, and
-# any sequence of calls that reaches the same state passes.
+# said to the customer. Two rules keep an answer from being a guess, since a third of the answers here
+# are one of five labels: an order's status (or "not available") counts only in a message that names no
+# other of those labels (a message listing all four statuses would otherwise answer about a fifth of the
+# tasks), and an answer about an order counts only once the agent has looked that order up with
+# `get_order_details` (`answers_looked_up` in the reward's details: saying "the order is delivered" to
+# every customer would otherwise earn about one task in nine without a single tool call). Both are
+# shortcuts that reinforcement learning finds. Otherwise any sequence of calls that reaches the same
+# state passes.
 # Below: the same task, but the agent refunds to the wrong payment method, and an information task
-# where the answer is never said.
+# where the answer is first never said, then said without looking the order up, then said after it.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -146,7 +150,9 @@ env.reset(options={"task_index": info_index})
 print("\ninformation task:", test_tasks[info_index]["requests"][0]["text"], "| required:", test_tasks[info_index]["outputs"])
 print("silent agent   ->", backend.reward())
 backend.respond(f"It is {test_tasks[info_index]['outputs'][0]}.")
-print("answer given   ->", backend.reward())
+print("answer guessed ->", backend.reward())
+backend.call_tool("get_order_details", {"order_id": test_tasks[info_index]["requests"][0]["order_id"]})
+print("order read     ->", backend.reward())
 
 # %% [markdown]
 # ## The same store over HTTP

@@ -78,8 +78,9 @@ assert in_process[0] == over_http[0]
 # %% [markdown]
 # ## Exercise 3 · The reward of a wrong answer
 #
-# The lesson's information task (the customer asks for an order's status): answer with the wrong status,
-# with every status at once, and with the right one.
+# The lesson's information task (the customer asks for an order's status): look the order up, then answer
+# with the wrong status, with every status at once, and with the right one; last, the right one without
+# looking the order up.
 
 # %%
 test_tasks = get_tasks(seed, "test")
@@ -89,14 +90,16 @@ wrong = next(s for s in ("pending", "delivered", "processed", "cancelled") if s 
 print("task:", test_tasks[index]["requests"][0]["text"], "| required:", test_tasks[index]["outputs"])
 answers = {"wrong status": f"It is {wrong}.",
            "every status": "It is pending, delivered, processed or cancelled.",
-           "right status": f"It is {right}."}
+           "right status": f"It is {right}.", "right, unread": f"It is {right}."}
 backend = env.unwrapped.backend
 for name, text in answers.items():
     env.reset(options={"task_index": index})
+    if name != "right, unread":
+        backend.call_tool("get_order_details", {"order_id": test_tasks[index]["requests"][0]["order_id"]})
     backend.respond(text)
     reward, why = backend.reward()
     print(f"{name:13s} {text!r:53s} -> reward {reward}, database unchanged {why['db_match']}, "
-          f"answer found {why['outputs_found']}")
+          f"answer found {why['outputs_found']}, order read {why['answers_looked_up']}")
     assert reward == (1.0 if name == "right status" else 0.0)
 env.close()
 
@@ -104,4 +107,7 @@ env.close()
 # A wrong answer scores 0, like saying nothing: the database is untouched either way, so the hash half
 # passes and the required output decides. Listing every status also scores 0, since a status counts only in
 # a message that names no other status: without that rule the reward would pay a policy for an answer that
-# needs no tool call at all, and reinforcement learning finds such shortcuts quickly.
+# needs no tool call at all, and reinforcement learning finds such shortcuts quickly. The right status
+# unread scores 0 too, for the same reason: an agent that says the commonest status to every customer
+# ("delivered") would be right on 28 of the 59 status questions of the training and test tasks without
+# reading a single order, and on the refusals that name the same word.
