@@ -787,40 +787,27 @@ def test_a_retrain_cut_off_in_a_finished_folder_is_not_reused_as_the_earlier_run
 
     monkeypatch.setattr(sft, "train_sft", counting)
 
-    def cut_off(*args, **kwargs):
-        raise KeyboardInterrupt
+    def cut_off_b(name: str, after: bool) -> None:
+        """Run B with sft.<name> raising KeyboardInterrupt, before or after doing its work."""
+        real = getattr(sft, name)
 
-    # cut off before B writes into the folder (during its data or warm-ups): A stays reusable
-    with monkeypatch.context() as m:
-        m.setattr(sft, "_prepare", cut_off)
-        with pytest.raises(KeyboardInterrupt):
-            sft.train_or_reuse(b)
+        def stop(*args, **kwargs):
+            if after:
+                real(*args, **kwargs)
+            raise KeyboardInterrupt
+
+        with monkeypatch.context() as m:
+            m.setattr(sft, name, stop)
+            with pytest.raises(KeyboardInterrupt):
+                sft.train_or_reuse(b)
+
+    cut_off_b("_prepare", after=False)  # before B writes into the folder (its data or warm-ups): A stays
     sft.train_or_reuse(a)
     assert trained == [1e-3]
-    # cut off after B's first evaluation (its history replaced A's)
-    real_eval = sft._evaluate
-
-    def evaluate_then_stop(*args, **kwargs):
-        real_eval(*args, **kwargs)
-        raise KeyboardInterrupt
-
-    with monkeypatch.context() as m:
-        m.setattr(sft, "_evaluate", evaluate_then_stop)
-        with pytest.raises(KeyboardInterrupt):
-            sft.train_or_reuse(b)
+    cut_off_b("_evaluate", after=True)  # after B's first evaluation (its history replaced A's)
     sft.train_or_reuse(a)
     assert trained == [1e-3, 1e-3, 2e-3]  # trained again, not reused with B's history
-    # killed while saving: B's weights written, its config not yet
-    real_save = sft._save_policy
-
-    def save_then_die(*args):
-        real_save(*args)
-        raise KeyboardInterrupt
-
-    with monkeypatch.context() as m:
-        m.setattr(sft, "_save_policy", save_then_die)
-        with pytest.raises(KeyboardInterrupt):
-            sft.train_or_reuse(b)
+    cut_off_b("_save_policy", after=True)  # killed while saving: B's weights written, its config not yet
     assert (tmp_path / "sft" / "model.safetensors").read_bytes() != weights_a
     sft.train_or_reuse(a)
     assert trained == [1e-3, 1e-3, 2e-3, 1e-3, 2e-3]
