@@ -115,8 +115,8 @@ print("\nreward:", reward, "|", last_info["reward_info"])
 # At the end of an episode the environment hashes a canonical dump of every table. It replays the
 # task's ground-truth actions on a fresh copy of the initial database and hashes that too. The reward
 # is 1 when the two hashes are equal *and* every required output (for example an order's total) was
-# said to the customer. Two rules keep an answer from being a guess, since a third of the answers here
-# are one of five labels: an order's status (or "not available") counts only in a message that names no
+# said to the customer. Two rules keep an answer from being a guess, since most answers here are one
+# of five labels: an order's status (or "not available") counts only in a message that names no
 # other of those labels (a message listing all four statuses would otherwise answer about a fifth of the
 # tasks), and an answer about an order counts only once the agent has looked that order up with
 # `get_order_details` (`answers_looked_up` in the reward's details: saying "the order is delivered" to

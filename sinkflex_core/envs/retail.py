@@ -4,8 +4,8 @@ Reward (as in the public benchmark): 1.0 when the database after the episode has
 value as the initial database with the task's ground-truth actions replayed on it, and every required
 output (e.g. an order's total) appears in some message the agent sent to the customer (lower-case,
 commas removed); 0.0 otherwise. Any path to the same final state passes. Two departures, both
-because the public benchmark's outputs are mostly numbers while a third of the answers here are one of
-five labels (an order's status, or "not available"): such a label counts only in a message that names
+because the public benchmark's outputs are mostly numbers while most answers here are one of five
+labels (an order's status, or "not available"): such a label counts only in a message that names
 no other of them (:func:`sinkflex_core.envs.retail_tasks.answer_given`; a message listing all four
 statuses would otherwise answer about a fifth of the tasks), and an answer about an order counts only
 once the agent has looked that order up (``get_order_details``; a customer-service agent that never
