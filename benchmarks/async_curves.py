@@ -70,6 +70,8 @@ def start_rates(policy: Path, tasks: int) -> pd.Series:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sinkflex_core.provenance import pin_git_sha
+    pin_git_sha()  # the commit that runs, named in every result this run writes
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policy", default=str(data_dir() / "retail-tiny-start"), help="the start policy folder")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))

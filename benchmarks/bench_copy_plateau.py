@@ -64,6 +64,8 @@ def run_arm(previous_heads: bool, args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from sinkflex_core.provenance import pin_git_sha
+    pin_git_sha()  # the commit that runs, named in every result this run writes
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--every", type=int, default=50)

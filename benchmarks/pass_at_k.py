@@ -35,6 +35,8 @@ print = functools.partial(print, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sinkflex_core.provenance import pin_git_sha
+    pin_git_sha()  # the commit that runs, named in every result this run writes
     from sinkflex_core.envs import pass_at_k, pass_hat_k
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],

@@ -255,6 +255,8 @@ def measure_run(run_dir: Path, samples: int, tasks: int) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sinkflex_core.provenance import pin_git_sha
+    pin_git_sha()  # the commit that runs, named in every result this run writes
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--attentions", nargs="+", default=list(ATTENTIONS), choices=ATTENTIONS,

@@ -16,6 +16,8 @@ import time
 
 
 def main() -> None:
+    from sinkflex_core.provenance import pin_git_sha
+    pin_git_sha()  # the commit that runs, named in every result this run writes
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="data/sandbox_baselines.csv")
     p.add_argument("--tasks", type=int, default=0, help="first N test tasks (0: all)")

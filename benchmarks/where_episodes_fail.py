@@ -181,6 +181,8 @@ def value_accuracy(model, tokenizer, examples: list[dict[str, torch.Tensor]]) ->
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sinkflex_core.provenance import pin_git_sha
+    pin_git_sha()  # the commit that runs, named in every result this run writes
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policy", required=True, help="a saved policy folder")
     p.add_argument("--tasks", type=int, default=120, help="the first N test tasks")

@@ -173,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .provenance import pin_git_sha
+    pin_git_sha()  # the commit that runs, named in every result this run writes
     argv = sys.argv[1:] if argv is None else list(argv)
     # `train` and `bench` own their options: hand everything after the command word to them as is
     # (argparse's REMAINDER would reject a leading option such as `sinkflex train --lr 1e-4`).

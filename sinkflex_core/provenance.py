@@ -27,6 +27,15 @@ def git_sha(short: bool = True) -> str:
         return "unknown"
 
 
+def pin_git_sha() -> str:
+    """Read the commit once, when a run starts, and name it in every result the run writes, and in
+    the processes it starts (through ``SINKFLEX_GIT_SHA``). Read later, at write time, the column would
+    name a commit made while a long run went on, not the code that ran. Kept when already set."""
+    sha = git_sha()
+    os.environ["SINKFLEX_GIT_SHA"] = sha
+    return sha
+
+
 def cpu_model() -> str:
     """The processor's name (``/proc/cpuinfo``), else what ``platform`` knows."""
     try:

@@ -991,6 +991,8 @@ def _write_history(path: Path, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .provenance import pin_git_sha
+    pin_git_sha()  # the commit that runs, named in every result this run writes
     p = argparse.ArgumentParser(prog="python -m sinkflex_core.sft", description=__doc__.split("\n\n")[0])
     add_config_arguments(p, SFTConfig, keep_defaults=True)
     args = vars(p.parse_args(argv))

@@ -454,6 +454,8 @@ def write_card(out: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .provenance import pin_git_sha
+    pin_git_sha()  # the commit that runs, named in every result this run writes
     p = argparse.ArgumentParser(prog="python -m sinkflex_core.start", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="where the start goes (default: data/retail-tiny-start; a folder "
                                                "holding a start made with other stage flags is refused)")

@@ -228,3 +228,28 @@ def test_cli_hands_train_options_to_the_trainer():
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2
     assert "lr must be a positive number" in bad.stderr + bad.stdout
+
+
+def test_a_run_names_the_commit_it_started_from_not_a_later_one(tmp_path, monkeypatch):
+    from sinkflex_core import provenance
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    (repo / "f.txt").write_text("a\n")
+    subprocess.run(git + ["add", "f.txt"], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "first"], check=True)
+    monkeypatch.setattr(provenance, "repo_root", lambda: repo)
+    monkeypatch.setenv("SINKFLEX_GIT_SHA", "")  # restored after the test
+    monkeypatch.delenv("SINKFLEX_GIT_SHA")
+    first = provenance.pin_git_sha()
+    assert first and first != "unknown" and "+dirty" not in first
+
+    (repo / "f.txt").write_text("b\n")  # a commit made while the run goes on
+    subprocess.run(git + ["commit", "-q", "-am", "second"], check=True)
+    assert provenance.git_sha() == first
+    assert provenance.provenance()["git_sha"] == first
+    child = subprocess.run([sys.executable, "-c", "from sinkflex_core.provenance import git_sha; print(git_sha())"],
+                           capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == first  # the processes it starts name it too

@@ -551,6 +551,8 @@ class Trainer:
 
 def main(argv: list[str] | None = None) -> int:
     """``sinkflex train ...`` and ``torchrun ... -m sinkflex_core.train ...``; returns an exit code."""
+    from ..provenance import pin_git_sha
+    pin_git_sha()  # the commit that runs, named in every result this run writes
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--"]:  # `sinkflex train -- --lr 1e-4`: the separator some launchers need
         argv = argv[1:]
