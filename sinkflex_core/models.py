@@ -443,6 +443,23 @@ def hide_loading_bars() -> None:
     hf_logging.disable_progress_bar()
 
 
+@contextlib.contextmanager
+def loading_bars(show: bool):
+    """transformers' own progress bars (loading and writing weights) off inside the block when ``show``
+    is false, as they were after it: a run with its progress off (``progress=False``) prints none of
+    them, and the caller's setting outlives it."""
+    from transformers.utils import logging as hf_logging
+
+    hide = not show and hf_logging.is_progress_bar_enabled()
+    if hide:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if hide:
+            hf_logging.enable_progress_bar()
+
+
 def load_policy(path: str | os.PathLike, *, base_model: str | None = None, dtype=None, device=None,
                 attn_implementation: str | None = None, saved_attention: bool = True):
     """A saved policy folder as a transformers causal LM in eval mode, **with the attention it was

@@ -53,6 +53,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import models
 from .models import DEFAULT_VOCAB_SIZE
 from .sft_data import (  # noqa: F401  (re-exported: sft.<name> stays valid)
     RECALL_FILLER_WORDS,
@@ -213,8 +214,12 @@ class SFTConfig:
             raise ConfigError(f"context_loss_weight must be a number >= 0, got {self.context_loss_weight}")
         if not (self.value_loss_weight >= 0 and math.isfinite(self.value_loss_weight)):
             raise ConfigError(f"value_loss_weight must be a number >= 0, got {self.value_loss_weight}")
-        if self.max_minutes <= 0:
+        if not self.max_minutes > 0:  # nan too
             raise ConfigError(f"max_minutes must be > 0, got {self.max_minutes}")
+        if not (self.grad_clip > 0 and math.isfinite(self.grad_clip)):
+            raise ConfigError(f"grad_clip must be a positive number, got {self.grad_clip}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ConfigError(f"weight_decay must be a number >= 0, got {self.weight_decay}")
         if not 0 <= self.copy_fraction < 1:
             raise ConfigError(f"copy_fraction must be in [0, 1), got {self.copy_fraction}")
         if not (isinstance(self.recall_fact_fillers, int) and 0 <= self.recall_fact_fillers <= 4):
@@ -239,8 +244,8 @@ class SFTConfig:
                               f"got {self.copy_warmup_length}")
         if self.expert_split not in ("synthetic", "train"):
             raise ConfigError(f"expert_split must be 'synthetic' or 'train', got {self.expert_split!r}")
-        if self.eval_temperature < 0:
-            raise ConfigError(f"eval_temperature must be >= 0, got {self.eval_temperature}")
+        if not (self.eval_temperature >= 0 and math.isfinite(self.eval_temperature)):
+            raise ConfigError(f"eval_temperature must be a number >= 0, got {self.eval_temperature}")
         if self.attention not in ("sdpa", "sinkflex"):
             raise ConfigError(f"attention must be 'sdpa' or 'sinkflex', got {self.attention!r}")
         if not (isinstance(self.n_sink, int) and self.n_sink >= 0):
@@ -560,7 +565,8 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     val_ids, n_train = _task_split(cfg)
     tokenizer, data, openings = _expert_data(cfg, n_train)
     init_digest = _weights_digest(cfg.init_from) if cfg.init_from else None
-    policy = TokenLogprobs(_build_model(cfg, tokenizer))
+    with models.loading_bars(cfg.progress):
+        policy = TokenLogprobs(_build_model(cfg, tokenizer))
     if out_dir is not None:  # counts estimated on the weights this run replaces (start.build re-estimates them)
         from .attention import SINKS_FILENAME
 
@@ -575,16 +581,28 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         _unmark_finished(out_dir)
-        _save_policy(model, tokenizer, out_dir)
+        with models.loading_bars(cfg.progress):
+            _save_policy(model, tokenizer, out_dir)
         _write_history(out_dir / "sft_history.csv", progress.history)
         # last, and whole or not at all: sft_config.json marks a finished run (train_or_reuse reuses it)
         # with the digest of the weights it continued (train_or_reuse: a base trained again makes it stale)
         extra = {"init_from_digest": init_digest} if init_digest else {}
+        if cfg.init_from:  # the shape of the weights continued, not the command's (unused) shape fields
+            extra.update(_shape_fields(model.config))
         tmp = out_dir / "sft_config.json.tmp"
         tmp.write_text(json.dumps({**dataclasses.asdict(cfg), **extra}, indent=1) + "\n")
         tmp.replace(out_dir / "sft_config.json")
     return SFTResult(model=model, tokenizer=tokenizer, history=progress.history, steps=progress.step,
                      stopped_early=progress.stopped, out_dir=out_dir)
+
+
+#: The fields of :class:`SFTConfig` that shape a new model; ``init_from`` takes them from its weights.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads")
+
+
+def _shape_fields(model_config) -> dict:
+    return dict(zip(SHAPE_FIELDS, (model_config.vocab_size, model_config.hidden_size, model_config.num_hidden_layers,
+                                   model_config.num_attention_heads, model_config.num_key_value_heads)))
 
 
 def _unmark_finished(folder: Path) -> None:
@@ -951,8 +969,10 @@ def train_or_reuse(cfg: SFTConfig) -> Path:
     out = Path(cfg.out_dir)
 
     def key(values: dict) -> dict:
+        # with init_from the weights' shape rules (their digest is compared below), not the shape fields
+        unused = SHAPE_FIELDS if values.get("init_from") else ()
         return {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(SFTConfig(**values)))).items()
-                if k not in ("threads", "progress", "out_dir", "save_snapshots")}
+                if k not in ("threads", "progress", "out_dir", "save_snapshots", *unused)}
 
     if (out / "sft_config.json").is_file() and (out / "model.safetensors").is_file():
         if key(saved_config(out)) == key(dataclasses.asdict(cfg)) and _same_inputs(cfg, out):

@@ -84,6 +84,11 @@ def test_bad_sft_config_is_refused():
     assert sft.main(["--max-minutes", "-1"]) == 2
     with pytest.raises(train.ConfigError, match="seed must be an integer >= 0"):
         sft.SFTConfig(seed=-1).validate()
+    for field, value in [("grad_clip", 0.0), ("grad_clip", float("nan")), ("weight_decay", -0.1),
+                         ("weight_decay", float("inf")), ("eval_temperature", float("nan")),
+                         ("max_minutes", float("nan"))]:
+        with pytest.raises(train.ConfigError, match=field):
+            sft.SFTConfig(**{field: value}).validate()
 
 
 def test_an_out_dir_that_cannot_be_written_is_refused_before_training(tmp_path, monkeypatch):
@@ -870,3 +875,23 @@ def test_options_that_cannot_work_are_refused_before_the_warm_ups(tmp_path, monk
     with pytest.raises(train.ConfigError, match="never call"):
         sft.train_sft(sft.SFTConfig(**{**SMALL, "train_tasks": 4, "action_rows": 1, "action_tools": "no_such_tool",
                                        "out_dir": str(tmp_path / "sft")}))
+
+
+def test_a_continued_run_records_the_shape_of_the_weights_it_continued(tmp_path, monkeypatch):
+    """`--init-from` with the command's default shape fields: the saved config names the continued
+    weights' shape (a model card or a later stage reads it), and the same command is reused."""
+    small = {**SMALL, "train_tasks": 4, "max_total_tokens": 512, "max_turns": 3, "max_new_tokens_per_turn": 16,
+             "copy_warmup_steps": 1, "stop_at_reward": 0.0, "max_steps": 1, "eval_every": 1}
+    base = sft.train_or_reuse(sft.SFTConfig(**{**small, "hidden_size": 32, "num_layers": 1, "num_heads": 2,
+                                               "num_kv_heads": 1, "out_dir": str(tmp_path / "base")}))
+    command = sft.SFTConfig(**{**small, "init_from": str(base), "out_dir": str(tmp_path / "next")})
+    assert (command.hidden_size, command.num_layers) != (32, 1)
+    sft.train_or_reuse(command)
+    saved = sft.saved_config(tmp_path / "next")
+    assert [saved[k] for k in sft.SHAPE_FIELDS] == [command.vocab_size, 32, 1, 2, 1]
+
+    def no_training(cfg):
+        raise AssertionError("trained again")
+
+    monkeypatch.setattr(sft, "train_sft", no_training)
+    assert sft.train_or_reuse(command) == tmp_path / "next"

@@ -343,6 +343,31 @@ def test_resume_refuses_a_different_config(tokenizer_dir, tmp_path):
     assert (tmp_path / "r" / "config.json").read_text() == before  # still the run that is in the folder
 
 
+def test_resume_refuses_a_start_policy_trained_again(tokenizer_dir, tmp_path, capfd):
+    """The reference policy is read from cfg.model again on resume: other weights there since the
+    checkpoint would change the KL term silently. (And a run with its progress off loads and saves a
+    policy without transformers' bars, leaving them on for the caller.)"""
+    from safetensors.torch import load_file, save_file
+    from transformers.utils import logging as hf_logging
+
+    Trainer(_cfg(tokenizer_dir, tmp_path / "a", steps=1, eval_every=0, eval_tasks=1)).run()
+    start = tmp_path / "a" / "policy"
+    capfd.readouterr()
+    Trainer(_cfg(tokenizer_dir, tmp_path / "b", model=str(start), steps=1, eval_every=0, eval_tasks=1)).run()
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "Writing model shards" not in err
+    assert hf_logging.is_progress_bar_enabled()
+    again = Trainer(_cfg(tokenizer_dir, tmp_path / "b", model=str(start), steps=2, eval_every=0, eval_tasks=1))
+    assert again.try_resume() is not None and again.step_idx == 1  # the same start: resumed
+    weights = load_file(start / "model.safetensors")
+    name = next(iter(weights))
+    weights[name] = weights[name] + 0.01
+    save_file(weights, start / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(train.ConfigError, match="other weights"):
+        Trainer(_cfg(tokenizer_dir, tmp_path / "b", model=str(start), steps=2, eval_every=0,
+                     eval_tasks=1)).try_resume()
+
+
 def test_vllm_engine_gets_the_runs_precision_and_length(tokenizer_dir, tmp_path, monkeypatch):
     """The engine is built with the run's dtype and trajectory limit, not the backend's defaults
     (float32, 4,096 tokens), which would load a 7B policy at twice its size and refuse longer episodes.

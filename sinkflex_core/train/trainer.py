@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .. import grpo
+from .. import grpo, models
 from .async_rollouts import AsyncRollouts
 from .async_rollouts import step_metrics as async_step_metrics
 from .checkpoint import (
@@ -98,7 +98,8 @@ class Trainer:
         self.sampler = TaskSampler(self.num_train_tasks, cfg.tasks_per_step, cfg.seed)
 
         self.tokenizer = load_tokenizer(cfg)
-        lm = load_model(cfg, self.tokenizer, d.device)
+        with models.loading_bars(cfg.progress):
+            lm = load_model(cfg, self.tokenizer, d.device)
         self.ref = None
         if cfg.kl_coef > 0 and not cfg.lora:
             ref_lm = copy.deepcopy(lm).eval()
@@ -336,6 +337,7 @@ class Trainer:
             "trainer": {"step": self.step_idx, "scheduler": self.scheduler.state_dict(),
                         "sampler": self.sampler.state_dict(), "train_task_ids": self.train_task_ids,
                         "config": self.cfg.to_dict(), "attention": self._attention_settings(),
+                        "start_digest": self._start_digest(),
                         "elapsed_s": self.elapsed(), "world_size": self.dist.world},
         }
         return save_checkpoint(self.ckpt_dir, self.step_idx, payload, rank_payload={"rng": rng_state()},
@@ -378,6 +380,11 @@ class Trainer:
             raise ConfigError(f"{path} was trained with the attention {saved_attention}, this run would use "
                               f"{self._attention_settings()} (has {Path(self.cfg.out_dir, 'sinkflex_sinks.json')} "
                               "or the layer_sinks file changed?). Use another out_dir or --no-resume.")
+        then, now = state.get("start_digest"), self._start_digest()
+        if then and now != then:  # the reference (and a LoRA run's base) is read from cfg.model again
+            raise ConfigError(f"{path} was trained from other weights of {self.cfg.model} (digest {then}, now "
+                              f"{now}): was the start policy trained again? Resuming would measure KL to, and "
+                              "with LoRA train on, other weights. Use another out_dir or --no-resume.")
         set_state_dict(self.policy, self.optimizer, model_state_dict=payload["model"],
                        optim_state_dict=payload["optimizer"], options=self._state_options())
         self.scheduler.load_state_dict(state["scheduler"])
@@ -390,6 +397,17 @@ class Trainer:
         if self.dist.main:
             self.log.truncate_after(self.step_idx)
         return path
+
+    def _start_digest(self) -> str | None:
+        """The digest of the start policy's saved weights (a folder ``cfg.model``; None for a random or a
+        hub model), read once by the main rank and shared: a checkpoint records it, a resume compares it."""
+        if not hasattr(self, "_start_digest_value"):
+            from .evaluate import policy_digest
+
+            folder = Path(self.cfg.model)
+            mine = policy_digest(folder) if self.dist.main and self.cfg.model != "tiny" and folder.is_dir() else None
+            self._start_digest_value = self.dist.gather_objects(mine)[0]
+        return self._start_digest_value
 
     def _attention_settings(self) -> dict | None:
         """The sink attention the policy trains with (sink counts per layer, window), None for stock
@@ -512,7 +530,8 @@ class Trainer:
             from .. import attention
 
             path.mkdir(parents=True, exist_ok=True)
-            lm.save_pretrained(path)
+            with models.loading_bars(self.cfg.progress):
+                lm.save_pretrained(path)
             self.tokenizer.save_pretrained(path)
             attention.save_attention_settings(lm, path)  # LoRA folders have no config.json to carry them
             sinks = {n: p.detach().cpu().contiguous() for n, p in lm.named_parameters()
