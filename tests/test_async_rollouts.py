@@ -309,3 +309,30 @@ def test_a_worker_killed_after_putting_groups_is_reported_as_dead(tokenizer_dir,
             trainer.step()
     finally:
         ar.close()
+
+
+def test_an_error_still_in_the_pipe_when_the_worker_has_exited_is_reported():
+    """The worker puts its error and exits; the learner's wait can time out just before the message
+    reaches its end of the pipe (the queue's feeder thread writes it a moment later). The learner must
+    then report the worker's own error, not a bare "died (exit code 0)"."""
+    from sinkflex_core.train.async_rollouts import AsyncRollouts
+
+    class LateQueue:  # the first read finds the pipe still empty, as in that moment
+        def __init__(self):
+            self.reads = 0
+
+        def get(self, timeout=None):
+            self.reads += 1
+            if self.reads == 1:
+                import queue
+
+                raise queue.Empty
+            return ("error", "Traceback ...\nValueError: the worker's own error")
+
+    exited = multiprocessing.get_context("spawn").Process(target=int)
+    exited.start()
+    exited.join()
+    ar = object.__new__(AsyncRollouts)
+    ar.results, ar.proc = LateQueue(), exited
+    with pytest.raises(RuntimeError, match="(?s)the rollout worker failed.*the worker's own error"):
+        ar._receive()

@@ -311,7 +311,11 @@ class AsyncRollouts:
                 break
             except queue.Empty:
                 if not self.proc.is_alive():
-                    raise RuntimeError(f"the rollout worker died (exit code {self.proc.exitcode})") from None
+                    try:  # what it sent just before it exited (its error) may still be in the pipe
+                        msg = self.results.get(timeout=_POLL_S)
+                        break
+                    except queue.Empty:
+                        raise RuntimeError(f"the rollout worker died (exit code {self.proc.exitcode})") from None
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no rollouts from the worker in {_WAIT_S:.0f} s") from None
         if msg[0] == "error":
