@@ -310,6 +310,21 @@ def test_sampling_follows_the_distribution_and_each_row_its_own_generator():
     assert alone.item() == tokens[7].item()
 
 
+def test_sampling_refuses_a_temperature_or_top_p_that_has_no_distribution(tok, model):
+    """A negative temperature would sample the least likely tokens and top_p <= 0 would keep no token
+    (NaN log-probs): the backend must refuse them, not sample on."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    for temperature, top_p in [(-1.0, 1.0), (float("nan"), 1.0), (float("inf"), 1.0), (1.0, 0.0), (1.0, -0.2),
+                               (1.0, 1.5), (1.0, float("nan"))]:
+        with pytest.raises(ValueError, match="temperature|top_p"):
+            sample_tokens(logits, temperature, top_p, [torch.Generator().manual_seed(0)])
+    request = GenerationRequest("k", tok.encode("hello"), max_new_tokens=2, seed=0)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        HFBackend(model, tok).generate([request], temperature=1.0, top_p=0.0)
+    tokens, logp = sample_tokens(logits, 0.0, 1.0, [torch.Generator().manual_seed(0)])  # greedy still works
+    assert tokens.item() == 0 and torch.isfinite(logp).all()
+
+
 def test_bad_configuration_is_refused(tok, model):
     for bad in (dict(group_size=0), dict(max_new_tokens_per_turn=0), dict(top_p=0.0), dict(temperature=-1.0)):
         with pytest.raises(ValueError, match="RolloutConfig"):

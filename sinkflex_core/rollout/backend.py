@@ -3,6 +3,7 @@ generated ids and their sampling log-probs out), and the sampling rule they shar
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -66,6 +67,12 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
     the others, and takes the token where that number falls in the row's cumulative distribution
     (inverse-CDF sampling: one vectorised search for the whole batch instead of a ``torch.multinomial``
     call per row). A token of probability 0 is never drawn."""
+    # Refused here, where every backend's sampling passes: a negative temperature inverts the
+    # distribution and top_p <= 0 leaves no token, and both would sample on with wrong or NaN log-probs.
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     logits = logits.float()
     if temperature == 0:
         tokens = logits.argmax(dim=-1)
