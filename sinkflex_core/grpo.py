@@ -424,7 +424,15 @@ def policy_metrics(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch
 @torch.no_grad()
 def _group_range(rewards: torch.Tensor, group_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(each row's group index 0..n-1, each group's min reward, each group's max reward)."""
-    _, inv = torch.unique(torch.as_tensor(group_ids), return_inverse=True)
+    group_ids = torch.as_tensor(group_ids)
+    # as in group_advantages: a reward without its group id (or the reverse) would be paired with
+    # another row's, and a NaN reward would make its group look uniform
+    if rewards.dim() != 1 or group_ids.dim() != 1 or rewards.shape != group_ids.shape:
+        raise ValueError(f"rewards and group_ids must both be (B,), got {tuple(rewards.shape)} "
+                         f"and {tuple(group_ids.shape)}")
+    if not torch.isfinite(rewards).all():
+        raise ValueError("rewards contain NaN or inf")
+    _, inv = torch.unique(group_ids, return_inverse=True)
     n_groups = int(inv.max()) + 1 if inv.numel() else 0
     rmax = torch.full((n_groups,), -torch.inf, dtype=rewards.dtype).scatter_reduce(0, inv, rewards, "amax")
     rmin = torch.full((n_groups,), torch.inf, dtype=rewards.dtype).scatter_reduce(0, inv, rewards, "amin")
@@ -446,6 +454,8 @@ def reward_metrics(rewards: torch.Tensor, group_ids: torch.Tensor,
 
     rewards, group_ids, advantages: (B,)."""
     rewards = torch.as_tensor(rewards, dtype=torch.float64)
+    if rewards.numel() == 0:
+        raise ValueError("reward_metrics needs at least one reward, got none")
     _, rmin, rmax = _group_range(rewards, group_ids)
     n_groups = len(rmax)
     res = {

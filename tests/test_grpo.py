@@ -440,6 +440,19 @@ def test_rows_with_signal_are_those_of_groups_whose_rewards_differ():
     assert torch.equal(rows_with_signal(rewards, groups), group_advantages(rewards, groups) != 0)
 
 
+def test_group_statistics_refuse_rewards_they_cannot_pair_with_groups():
+    """rows_with_signal and reward_metrics refuse what group_advantages refuses: a reward without its
+    group id would be paired with another row's, and a NaN reward makes its group look uniform (its rows
+    would silently leave the update)."""
+    for fn in (rows_with_signal, reward_metrics):
+        with pytest.raises(ValueError, match="must both be"):
+            fn(torch.tensor([0.0, 1.0, 2.0]), torch.tensor([0, 0]))
+        with pytest.raises(ValueError, match="NaN"):
+            fn(torch.tensor([float("nan"), 1.0]), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="at least one reward"):
+        reward_metrics(torch.tensor([]), torch.tensor([], dtype=torch.long))
+
+
 def test_behaviour_weights_and_truncation_by_hand():
     """pi_old / mu = 0.5 / 0.25, 0.2 / 0.4, 0.9 / 0.1 = 2, 0.5, 9; capped at 3: 2, 0.5, 3."""
     old = torch.tensor([[0.5, 0.2, 0.9]], dtype=f64).log()
