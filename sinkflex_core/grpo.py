@@ -101,7 +101,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float 
                          f"and {tuple(group_ids.shape)}")
     if group_ids.is_floating_point():
         raise ValueError("group_ids must be integers")
-    if eps < 0:
+    if not eps >= 0:  # also refuses NaN, which would make every advantage NaN
         raise ValueError(f"eps must be >= 0, got {eps}")
     if not rewards.is_floating_point():
         rewards = rewards.float()
@@ -180,9 +180,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     if advantages.dim() == 1 and logp.dim() == 2 and advantages.shape[0] == logp.shape[0]:
         advantages = advantages[:, None].expand_as(logp)
     _check_same_shape(logp=logp, advantages=advantages)
-    if not (0 <= clip_low < 1) or clip_high < 0:
+    # written so that NaN fails too: a NaN clip makes the loss NaN, a NaN dual clip is silently off
+    if not (0 <= clip_low < 1 and clip_high >= 0):
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
-    if dual_clip is not None and dual_clip <= 1:
+    if dual_clip is not None and not dual_clip > 1:
         raise ValueError(f"dual_clip must be > 1 (e.g. 3.0), got {dual_clip}")
     log_ratio = (logp - old_logp).clamp(-max_log_ratio, max_log_ratio)
     ratio = torch.exp(log_ratio)
@@ -316,7 +317,7 @@ def aggregate_loss(loss: torch.Tensor, loss_mask: torch.Tensor, mode: str = "tok
     if mode == "seq-mean-token-mean":
         per_seq = masked.sum(dim=-1) / seq_tokens.clamp_min(1)
         return per_seq.sum() / n_seqs
-    if norm_length is None or norm_length <= 0:
+    if norm_length is None or not norm_length > 0:  # also refuses NaN
         raise ValueError("seq-mean-token-sum-norm needs norm_length > 0: a constant such as the maximum "
                          "response length (not the padded width of this batch, which varies)")
     return masked.sum() / (n_seqs * norm_length)

@@ -96,6 +96,21 @@ def test_bad_inputs_get_clear_errors():
         token_logprobs(torch.zeros(2, 4), torch.zeros(5, 3), torch.tensor([1, 2]))
 
 
+def test_nan_settings_are_refused_not_turned_into_nan_losses():
+    """Every range check must fail for NaN too: a NaN eps, clip or norm_length would give NaN
+    advantages or a NaN loss, and a NaN dual clip would silently switch the dual clip off."""
+    nan = float("nan")
+    with pytest.raises(ValueError, match="eps"):
+        group_advantages(torch.tensor([1.0, 0.0]), torch.zeros(2, dtype=torch.long), eps=nan)
+    for kw in (dict(clip_low=nan), dict(clip_high=nan)):
+        with pytest.raises(ValueError, match="clip_low"):
+            policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), **kw)
+    with pytest.raises(ValueError, match="dual_clip"):
+        policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), -torch.ones(1), dual_clip=nan)
+    with pytest.raises(ValueError, match="norm_length"):
+        aggregate_loss(torch.zeros(2, 3), torch.ones(2, 3), mode="seq-mean-token-sum-norm", norm_length=nan)
+
+
 # ----------------------------------------------------------------------------------- policy loss, KL
 
 
