@@ -326,7 +326,8 @@ def test_sampling_refuses_a_temperature_or_top_p_that_has_no_distribution(tok, m
 
 
 def test_bad_configuration_is_refused(tok, model):
-    for bad in (dict(group_size=0), dict(max_new_tokens_per_turn=0), dict(top_p=0.0), dict(temperature=-1.0)):
+    for bad in (dict(group_size=0), dict(max_new_tokens_per_turn=0), dict(top_p=0.0), dict(temperature=-1.0),
+                dict(seed=None), dict(seed=-1)):
         with pytest.raises(ValueError, match="RolloutConfig"):
             collect_rollouts(HFBackend(model, tok), tok, ENV, [0], "train", RolloutConfig(**bad))
     with pytest.raises(ValueError, match="task_indices is empty"):

@@ -44,6 +44,8 @@ class RolloutConfig:
              "max_new_tokens_per_turn must be an int >= 1"),
             (math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            # the environments' reset and every episode's sampling seed derive from it (None included)
+            (isinstance(self.seed, int) and self.seed >= 0, "seed must be an int >= 0"),
         ]
         for ok, message in checks:
             if not ok:
