@@ -5,6 +5,7 @@ packed into rows (:class:`RolloutBatch`, :class:`PackedRollouts`)."""
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -45,7 +46,7 @@ class RolloutConfig:
             (math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             # the environments' reset and every episode's sampling seed derive from it (None included)
-            (isinstance(self.seed, int) and self.seed >= 0, "seed must be an int >= 0"),
+            (isinstance(self.seed, numbers.Integral) and self.seed >= 0, "seed must be an int >= 0"),
         ]
         for ok, message in checks:
             if not ok:
