@@ -352,11 +352,16 @@ def test_resume_refuses_a_start_policy_trained_again(tokenizer_dir, tmp_path, ca
 
     Trainer(_cfg(tokenizer_dir, tmp_path / "a", steps=1, eval_every=0, eval_tasks=1)).run()
     start = tmp_path / "a" / "policy"
-    capfd.readouterr()
-    Trainer(_cfg(tokenizer_dir, tmp_path / "b", model=str(start), steps=1, eval_every=0, eval_tasks=1)).run()
-    err = capfd.readouterr().err
-    assert "Loading weights" not in err and "Writing model shards" not in err
-    assert hf_logging.is_progress_bar_enabled()
+    was = hf_logging.is_progress_bar_enabled()  # a command-line test before may have turned them off
+    hf_logging.enable_progress_bar()
+    try:
+        capfd.readouterr()
+        Trainer(_cfg(tokenizer_dir, tmp_path / "b", model=str(start), steps=1, eval_every=0, eval_tasks=1)).run()
+        err = capfd.readouterr().err
+        assert "Loading weights" not in err and "Writing model shards" not in err
+        assert hf_logging.is_progress_bar_enabled()
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
     again = Trainer(_cfg(tokenizer_dir, tmp_path / "b", model=str(start), steps=2, eval_every=0, eval_tasks=1))
     assert again.try_resume() is not None and again.step_idx == 1  # the same start: resumed
     weights = load_file(start / "model.safetensors")
