@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ts = sub.add_parser("test", help="ruff + pytest + nbval (what `make test` runs)")
     ts.add_argument("--no-notebooks", action="store_true", help="skip the nbval notebook checks")
-    ts.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
+    ts.add_argument("pytest_args", nargs=argparse.REMAINDER,
+                    help="extra pytest arguments and options, after --no-notebooks (e.g. -k resume -x)")
     ts.set_defaults(func=_cmd_test)
 
     dc = sub.add_parser("docs", help="render the stored lessons to HTML (build/docs/index.html)")
@@ -180,7 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     # (argparse's REMAINDER would reject a leading option such as `sinkflex train --lr 1e-4`).
     if argv and argv[0] in _DELEGATED:
         return _main_of(_DELEGATED[argv[0]], argv[1:])
-    args = build_parser().parse_args(argv)
+    if argv and argv[0] == "test":
+        # the same for pytest's options after `test`'s own (`sinkflex test --no-notebooks -k resume -x`),
+        # which REMAINDER refuses too when one comes first; a `--` before them is accepted and dropped
+        own = 1
+        while own < len(argv) and argv[own] in ("--no-notebooks", "-h", "--help"):
+            own += 1
+        args = build_parser().parse_args(argv[:own])
+        args.pytest_args = argv[own + (argv[own:own + 1] == ["--"]):]
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except ModuleNotFoundError as err:

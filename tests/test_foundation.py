@@ -185,6 +185,22 @@ def test_notebook_ids_are_numbers_or_name_prefixes_and_parameters_read_shell_wor
         check_parameters(found, {"rate": True})
 
 
+def test_cli_test_hands_pytest_options_to_pytest(monkeypatch):
+    from sinkflex_core import cli
+
+    calls = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, **kw: calls.append(cmd) or 0)
+    monkeypatch.setattr(cli, "_tracked_changes", lambda root: {})
+    for argv, extra in ((["--no-notebooks", "-k", "resume", "-x"], ["-k", "resume", "-x"]),
+                        (["-x", "tests/test_grpo.py"], ["-x", "tests/test_grpo.py"]),
+                        (["--", "-k", "resume"], ["-k", "resume"])):
+        calls.clear()
+        assert cli.main(["test", *argv]) == 0
+        ruff, pytest_cmd = calls
+        assert pytest_cmd[-len(extra):] == extra, pytest_cmd
+        assert ("notebooks" in pytest_cmd) == ("--no-notebooks" not in argv), pytest_cmd
+
+
 def test_pyproject_keeps_cpu_machines_on_cpu_torch_and_lists_extras():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     torch_req = next(d for d in meta["dependencies"] if d.startswith("torch"))
