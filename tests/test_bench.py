@@ -238,6 +238,10 @@ def test_readme_results_block_matches_the_data(tmp_path, capsys):
     assert bench.main(["results", "--readme", str(plain)]) == 2
     assert "no results block" in capsys.readouterr().err and plain.read_text() == "# no block\n"
     assert bench.main(["results"]) == 0 and capsys.readouterr().out.strip() == expected
+    # a --data folder without the paper's claims is refused, and the README's table is left as it was
+    kept = stale.read_text()
+    assert bench.main(["results", "--readme", str(stale), "--data", str(tmp_path / "typo")]) == 2
+    assert "no paper_claims.csv" in capsys.readouterr().err and stale.read_text() == kept
 
 
 def _gpu_row(case: str, peak: float, step_s: float, status: str = "ok") -> dict:

@@ -224,6 +224,10 @@ def results_main(argv: list[str]) -> int:
     parser.add_argument("--readme", type=Path, default=None,
                         help="rewrite this file's results block instead of printing the table")
     args = parser.parse_args(argv)
+    # without the claims the table is empty, and --readme would wipe the README's block with it
+    if args.data is not None and not (args.data / "paper_claims.csv").is_file():
+        print(f"sinkflex bench results: no paper_claims.csv in --data {str(args.data)!r}", file=sys.stderr)
+        return 2
     if args.readme is None:
         print(results_markdown(args.data))
         return 0
