@@ -26,7 +26,11 @@ _NOTEBOOK_RE = re.compile(r"^\d\d_[\w-]+\.ipynb$")
 
 def resolve_smoke(smoke: bool = False) -> bool:
     """A notebook's effective smoke flag: its ``smoke`` parameter, or ``SINKFLEX_SMOKE=1`` in the
-    environment (how the test suite, which cannot pass parameters, makes notebooks fast)."""
+    environment (how the test suite, which cannot pass parameters, makes notebooks fast). A true
+    ``smoke`` is written to the environment too: :func:`~sinkflex_core.paths.figures_dir` reads only
+    that, and a notebook run with ``-p smoke=True`` would otherwise redraw the tracked figures."""
+    if smoke:
+        os.environ[SMOKE_ENV] = "1"
     return bool(smoke) or smoke_env()
 
 
@@ -281,6 +285,7 @@ def reproduce(only: list[str] | None = None, parameters: dict | None = None, smo
     except ValueError as err:
         print(f"sinkflex reproduce: {err}", file=sys.stderr)
         return 2
+    smoke = smoke or parameters.get("smoke") is True  # `-p smoke=True` is --smoke
     # smoke copies apart from a full run's, so that a smoke run never makes the next full run start over
     out_dir = out_dir or build_dir() / ("smoke/notebooks" if smoke else "notebooks")
     t_all = time.perf_counter()

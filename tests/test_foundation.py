@@ -59,6 +59,39 @@ def test_resolve_smoke_reads_environment(monkeypatch):
     assert resolve_smoke(False) is True
 
 
+def test_smoke_parameter_keeps_figures_off_the_tracked_ones(tmp_path, monkeypatch):
+    """A notebook run with its smoke parameter set (`sinkflex reproduce -p smoke=True`, papermill's
+    `-p smoke True`) and no SINKFLEX_SMOKE draws its figures in the scratch copy, as --smoke does."""
+    from sinkflex_core.paths import figures_dir
+
+    root = _fake_project(tmp_path, {})
+    monkeypatch.setenv("SINKFLEX_ROOT", str(root))
+    monkeypatch.delenv("SINKFLEX_SMOKE", raising=False)
+    assert figures_dir() == root / "figures"
+    assert resolve_smoke(True) is True
+    assert figures_dir() == root / "build" / "smoke" / "figures"
+    # and `sinkflex reproduce -p smoke=True` runs as --smoke: executed copies apart from a full run's
+    import io
+
+    from sinkflex_core import notebooks
+
+    (tmp_path / "p").mkdir()
+    _fake_project(tmp_path / "p", {"00_a.ipynb": [("code", "smoke = False", ["parameters"])]})
+    monkeypatch.setenv("SINKFLEX_ROOT", str(tmp_path / "p"))
+    ran = []
+
+    def run_notebook(path, params, out_dir, smoke, progress):
+        ran.append((out_dir, smoke))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return out_dir / path.name
+
+    monkeypatch.setattr(notebooks, "run_notebook", run_notebook)
+    out = io.StringIO()
+    assert notebooks.reproduce(parameters={"smoke": True}, stream=out) == 0
+    assert ran == [(tmp_path / "p" / "build" / "smoke" / "notebooks", True)]
+    assert "smoke mode writes nothing tracked" in out.getvalue()
+
+
 def _fake_project(tmp_path: Path, cells_by_name: dict[str, list]) -> Path:
     (tmp_path / "pyproject.toml").write_text("[project]\nname='x'\n")
     (tmp_path / "notebooks").mkdir()
