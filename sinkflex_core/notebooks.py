@@ -334,7 +334,9 @@ def scrub(nb: dict) -> dict:
     (warnings name this machine's paths and are never compared), join a cell's consecutive stdout
     pieces into one output (the kernel sends a stream in as many pieces as it flushed), and write the
     repository root in any remaining output as ``.``."""
-    root = str(repo_root())
+    # the root as a whole path only, not the start of a sibling (`repo-old/`, `repo.bak/`) or the end of
+    # another path; a full stop after it ends a sentence
+    root = re.compile(r"(?<![\w.-])" + re.escape(str(repo_root())) + r"(?![\w-]|\.\w)")
     nb.get("metadata", {}).pop("papermill", None)
     nb.setdefault("metadata", {})["kernelspec"] = {"display_name": "Python 3", "language": "python",
                                                    "name": "python3"}
@@ -349,7 +351,7 @@ def scrub(nb: dict) -> dict:
         for out in cell.get("outputs", []):
             if out.get("output_type") == "stream" and out.get("name") == "stderr":
                 continue
-            out = json.loads(json.dumps(out).replace(root, "."))
+            out = json.loads(root.sub(".", json.dumps(out)))
             if out.get("output_type") == "stream" and outputs and outputs[-1].get("output_type") == "stream":
                 joined = "".join(outputs[-1]["text"]) + "".join(out["text"])
                 outputs[-1]["text"] = joined.splitlines(keepends=True)

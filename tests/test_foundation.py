@@ -234,6 +234,18 @@ def test_cli_test_hands_pytest_options_to_pytest(monkeypatch):
         assert ("notebooks" in pytest_cmd) == ("--no-notebooks" not in argv), pytest_cmd
 
 
+def test_scrub_writes_the_root_as_dot_and_leaves_other_paths_alone(tmp_path, monkeypatch):
+    from sinkflex_core.notebooks import scrub
+
+    (tmp_path / "repo").mkdir()
+    root = _fake_project(tmp_path / "repo", {})
+    monkeypatch.setenv("SINKFLEX_ROOT", str(root))
+    text = [f"wrote {root}/data/x.csv, ran in {root}.\n", f"kept: {root}-old/data, {root}.bak, /srv{root}\n"]
+    nb = _nb([("code", "print()", [])])
+    nb["cells"][0]["outputs"] = [{"output_type": "stream", "name": "stdout", "text": text}]
+    assert scrub(nb)["cells"][0]["outputs"][0]["text"] == ["wrote ./data/x.csv, ran in ..\n", text[1]]
+
+
 def test_pyproject_keeps_cpu_machines_on_cpu_torch_and_lists_extras():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     torch_req = next(d for d in meta["dependencies"] if d.startswith("torch"))
