@@ -85,6 +85,17 @@ def test_bad_config_values_get_clear_errors(argv, message):
     assert message in str(err.value)
 
 
+def test_a_config_built_in_code_with_a_value_of_the_wrong_kind_is_refused_by_name():
+    # TrainConfig(...) in a notebook reaches the trainer through validate() alone, not from_dict
+    for values, message in (({"lr": "1e-4"}, "lr must be a number, got '1e-4'"),
+                            ({"temperature": "1"}, "temperature must be a number"),
+                            ({"window": "768"}, "window must be an integer"),
+                            ({"progress": 1}, "progress must be true or false")):
+        with pytest.raises(ConfigError) as err:
+            TrainConfig(**values).validate()
+        assert message in str(err.value), (values, str(err.value))
+
+
 def test_config_files_and_run_folders_are_read_or_refused_by_name(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

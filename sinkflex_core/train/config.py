@@ -179,10 +179,6 @@ class TrainConfig:
                 raise ConfigError(f"lora_targets must be module names (a list of strings, or one comma-separated "
                                   f"string), got {targets!r} ({type(targets).__name__})")
             data["lora_targets"] = _as_tuple(targets)
-        defaults = cls()
-        for f in dataclasses.fields(cls):
-            if f.name in data:
-                _check_type(f, getattr(defaults, f.name), data[f.name])
         cfg = cls(**data)
         cfg.validate()
         return cfg
@@ -193,6 +189,12 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(msg)
 
+        # Types first, here rather than in from_dict alone: a config built in code (TrainConfig(lr="1e-4")
+        # in a notebook) reaches the trainer through this method only, and the range checks below would
+        # fail on it with a TypeError that names no key.
+        defaults = type(self)()
+        for f in dataclasses.fields(self):
+            _check_type(f, getattr(defaults, f.name), getattr(self, f.name))
         for name in ("tasks_per_step", "group_size", "ppo_epochs", "num_minibatches", "micro_batch_size",
                      "max_turns", "max_total_tokens", "max_new_tokens_per_turn", "eval_samples",
                      "keep_checkpoints", "vocab_size", "hidden_size", "num_layers"):
