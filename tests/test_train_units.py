@@ -78,6 +78,11 @@ def test_cli_overrides_flags_and_set(tmp_path):
     (["--steps", "inf"], "cannot read 'inf' as int"),
     (["--epochs", "inf", "--steps", "0"], "epochs must be a finite number"),
     (["--seed", "-1"], "seed must be an integer >= 0"),
+    # inf passes a ">= 0" check, then turns the loss (kl_coef, entropy_coef) or the weights (weight_decay) into nan
+    (["--set", "kl_coef=inf"], "kl_coef must be a finite number, got inf"),
+    (["--set", "entropy_coef=inf"], "entropy_coef must be a finite number"),
+    (["--weight-decay", "inf"], "weight_decay must be a finite number"),
+    (["--epochs", "-1"], "epochs must be >= 0, got -1.0"),
 ])
 def test_bad_config_values_get_clear_errors(argv, message):
     with pytest.raises(ConfigError, match=None) as err:

@@ -195,6 +195,11 @@ class TrainConfig:
         defaults = type(self)()
         for f in dataclasses.fields(self):
             _check_type(f, getattr(defaults, f.name), getattr(self, f.name))
+            # inf passes the ">= 0" checks below, and kl_coef, entropy_coef or weight_decay = inf turns the
+            # loss or the weights into nan at the first step; nan would pass a check written "not x < 0"
+            value = getattr(self, f.name)
+            need(not isinstance(value, float) or math.isfinite(value),
+                 f"{f.name} must be a finite number, got {value!r}")
         for name in ("tasks_per_step", "group_size", "ppo_epochs", "num_minibatches", "micro_batch_size",
                      "max_turns", "max_total_tokens", "max_new_tokens_per_turn", "eval_samples",
                      "keep_checkpoints", "vocab_size", "hidden_size", "num_layers"):
@@ -207,8 +212,8 @@ class TrainConfig:
                  f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         need(self.lr > 0 and math.isfinite(self.lr), f"lr must be a positive number, got {self.lr!r}")
         need(self.max_minutes >= 0, f"max_minutes must be >= 0 (0 = no limit), got {self.max_minutes}")
+        need(self.epochs >= 0, f"epochs must be >= 0, got {self.epochs!r}")
         need(self.epochs > 0 or self.steps > 0, "set epochs > 0 or steps > 0 (how long to train)")
-        need(math.isfinite(self.epochs), f"epochs must be a finite number, got {self.epochs!r}")
         need(self.group_size >= 2, f"group_size must be >= 2 (GRPO compares trajectories of one task), "
                                    f"got {self.group_size}")
         need(self.num_minibatches <= self.group_size,
