@@ -299,6 +299,16 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(k for k in overrides if k.replace("-", "_") not in known)
     if unknown:
         p.error(f"--set: unknown GRPO config key(s) {unknown}")
+    # the values too (a typo such as lr=2e-4x, a seed < 0): each run's config, as the loop below builds it,
+    # with a stand-in for the start that is trained later (the smoke start has full attention)
+    stand_in = Path(args.sft_dir) if args.sft_dir else Path(args.out_root, "smoke") if args.smoke else start.start_dir()
+    for attention in args.attentions:
+        for seed in args.seeds:
+            try:
+                grpo_config(stand_in, seed, Path(args.out_root), args.smoke, 1,
+                            run_overrides(stand_in, attention, overrides))
+            except train.ConfigError as err:
+                p.error(f"GRPO config ({attention}, seed {seed}): {err}")
 
     root = repo_root()
     out_root = Path(args.out_root) if Path(args.out_root).is_absolute() else root / args.out_root

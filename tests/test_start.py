@@ -309,7 +309,8 @@ def test_reproduce_curve_refuses_bad_arguments_before_any_work(monkeypatch, caps
     monkeypatch.setattr(curve.train, "count_tasks", no_work)
     for bad, says in ((["--parallel", "0"], "--parallel"), (["--set", "foo"], "KEY=VALUE"),
                       (["--set", "attention=sdpa"], "--attentions"), (["--screen-samples", "-1"], ">= 0"),
-                      (["--set", "no_such_key=1"], "unknown")):
+                      (["--set", "no_such_key=1"], "unknown"), (["--set", "lr=fast"], "cannot read 'fast'"),
+                      (["--set", "kl_coef=-1"], "kl_coef must be >= 0"), (["--seeds", "-1"], "seed must be")):
         for start_from in (["--smoke"], ["--train-start"]):
             with pytest.raises(SystemExit) as exc:
                 curve.main(start_from + bad)
