@@ -54,6 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.tasks < 1 or args.samples < 1 or args.tasks_per_call < 1:
         p.error("--tasks, --samples and --tasks-per-call must be >= 1")
+    # before the policy loads: a misspelt split, or more tasks than it has, failed in the rollouts (the
+    # first task past the end only after every chunk of tasks before it was played)
+    try:
+        available = train.count_tasks(args.env_id, args.split)
+    except train.ConfigError as err:
+        p.error(str(err))
+    if args.tasks > available:
+        p.error(f"--tasks {args.tasks}: split {args.split!r} of {args.env_id} has {available} tasks")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.no_progress:

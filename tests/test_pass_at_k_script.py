@@ -87,3 +87,17 @@ def test_screen_is_written_once_per_policy_weights(tokenizer, tmp_path, capsys):
         train.screened_tasks(path, "train", 600)
     train.screen_or_reuse(policy, path, samples=3, tasks=3, progress=False)
     assert set(pd.read_csv(path)["reward_version"]) == {REWARD_VERSION}
+
+
+def test_a_split_that_does_not_exist_or_too_many_tasks_are_refused_before_any_rollout(script, tmp_path,
+                                                                                     monkeypatch, capsys):
+    def no_work(*args, **kwargs):
+        raise AssertionError("the policy was played before the arguments were checked")
+
+    monkeypatch.setattr(train, "success_table", no_work)
+    policy = str(tmp_path / "policy")  # not read: the arguments are refused first
+    n = train.count_tasks("sinkflex/Retail-v0", "test")
+    for argv, says in ((["--split", "valid"], "split 'valid'"), (["--tasks", str(n + 1)], f"has {n} tasks")):
+        with pytest.raises(SystemExit) as exc:
+            script.main(["--policy", policy, *argv])
+        assert exc.value.code == 2 and says in capsys.readouterr().err
