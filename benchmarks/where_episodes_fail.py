@@ -26,6 +26,7 @@ import argparse
 import collections
 import functools
 import json
+import math
 import re
 import sys
 import time
@@ -196,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not (Path(args.policy) / "config.json").is_file():
         p.error(f"--policy {args.policy!r} is not a saved policy folder (no config.json)")
-    if args.samples < 0 or args.tasks < 1 or args.temperature < 0:
-        p.error("--samples must be >= 0, --tasks >= 1 and --temperature >= 0")
+    # nan passes "< 0"; it (or inf) reached the rollouts only after the policy and the oracle's episodes loaded
+    if args.samples < 0 or args.tasks < 1 or not (math.isfinite(args.temperature) and args.temperature >= 0):
+        p.error(f"--samples must be >= 0, --tasks >= 1 and --temperature a number >= 0 (got --temperature "
+                f"{args.temperature})")
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -95,3 +95,18 @@ def test_command_line(script, tokenizer, tmp_path, capsys):
         script.main(["--policy", str(tmp_path / "nowhere")])
     with pytest.raises(SystemExit):
         script.main(["--policy", str(policy), "--kinds", "no such kind"])
+
+
+def test_a_temperature_that_is_not_a_number_is_refused_before_the_policy_loads(script, tmp_path, monkeypatch,
+                                                                              capsys):
+    from sinkflex_core import models
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the policy was loaded before the arguments were checked")
+
+    monkeypatch.setattr(models, "load_policy", no_work)
+    (tmp_path / "config.json").write_text("{}")  # passes the folder check; never loaded
+    for value in ("nan", "inf", "-1"):
+        with pytest.raises(SystemExit) as exc:
+            script.main(["--policy", str(tmp_path), "--temperature", value])
+        assert exc.value.code == 2 and f"--temperature {float(value)}" in capsys.readouterr().err
