@@ -101,3 +101,17 @@ def test_a_split_that_does_not_exist_or_too_many_tasks_are_refused_before_any_ro
         with pytest.raises(SystemExit) as exc:
             script.main(["--policy", policy, *argv])
         assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_screen_is_not_reused_for_another_sampling_seed(tokenizer, tmp_path, capsys):
+    policy = tmp_path / "policy"
+    build_model(tiny_qwen2_config(len(tokenizer), hidden_size=32, num_layers=1, tokenizer=tokenizer)).save_pretrained(
+        policy)
+    tokenizer.save_pretrained(policy)
+    path = tmp_path / "screen.csv"
+    train.screen_or_reuse(policy, path, samples=1, tasks=2, seed=0, progress=False)
+    capsys.readouterr()
+    train.screen_or_reuse(policy, path, samples=1, tasks=2, seed=1, progress=False)
+    assert "reusing" not in capsys.readouterr().err and set(pd.read_csv(path)["seed"]) == {1}
+    train.screen_or_reuse(policy, path, samples=1, tasks=2, seed=1, progress=False)
+    assert "reusing" in capsys.readouterr().err

@@ -193,7 +193,7 @@ def screen_or_reuse(policy_dir: str | os.PathLike, path: str | os.PathLike, samp
                     env_id: str = "sinkflex/Retail-v0", sinks: dict | None = None) -> Path:
     """Write ``path``, the screen of the first ``tasks`` tasks of ``split`` (0: all; ``samples``
     episodes each; pass it as ``task_screen``), unless it already holds one of these very weights (same
-    ``policy_digest``, split, tasks and samples) made under the current ``REWARD_VERSION``; returns ``path``. The tiny policy takes about 20
+    ``policy_digest``, split, tasks, samples and seed) made under the current ``REWARD_VERSION``; returns ``path``. The tiny policy takes about 20
     minutes on 2 cores for the 600 training tasks x 4."""
     import pandas as pd
 
@@ -207,6 +207,7 @@ def screen_or_reuse(policy_dir: str | os.PathLike, path: str | os.PathLike, samp
                 and list(old["task"]) == task_ids and set(old["policy_digest"].astype(str)) == {digest}
                 and set(old["split"]) == {split} and set(old["tries"]) == {samples}
                 and set(old["reward_version"]) == {reward_version(env_id)}
+                and set(old.get("seed", [0])) == {seed}  # other sampling seeds: other episodes
                 and set(old.get("attention", ["saved"])) == {attention_label(sinks)}):
             print(f"screen: reusing {path} (same policy weights)", file=sys.stderr, flush=True)
             return path
