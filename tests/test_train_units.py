@@ -83,6 +83,8 @@ def test_cli_overrides_flags_and_set(tmp_path):
     (["--set", "entropy_coef=inf"], "entropy_coef must be a finite number"),
     (["--weight-decay", "inf"], "weight_decay must be a finite number"),
     (["--epochs", "-1"], "epochs must be >= 0, got -1.0"),
+    # a preset as a key relabelled the other preset's values instead of loading its own
+    (["--set", "preset=paper-8xh100"], "--preset paper-8xh100"),
 ])
 def test_bad_config_values_get_clear_errors(argv, message):
     with pytest.raises(ConfigError, match=None) as err:
@@ -124,6 +126,10 @@ def test_config_files_and_run_folders_are_read_or_refused_by_name(tmp_path):
             train.config_from_argv(["--config", str(tmp_path / name)])
         assert messages[name] in str(err.value), (name, str(err.value))
     assert train.main(["--config", str(tmp_path / "broken.json")]) == 2
+    # a preset beside the file was ignored: the values would not be the ones the command line names
+    for preset in (["--preset", "paper-8xh100"], ["--set", "preset=paper-8xh100"]):
+        with pytest.raises(ConfigError, match="pass one"):
+            train.config_from_argv(["--config", str(run), *preset])
 
 
 def test_a_misspelt_split_is_refused_before_the_run_folder_is_made(tmp_path):

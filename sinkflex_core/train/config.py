@@ -507,6 +507,9 @@ def resolve_config(preset: str = "tiny-cpu", overrides: dict | None = None) -> T
     values = dict(PRESETS[preset])
     for key, value in (overrides or {}).items():
         key = key.replace("-", "_")
+        if key == "preset" and value != preset:  # it would relabel this preset's values, not load the other's
+            raise ConfigError(f"preset {value!r} given as an override of the preset {preset!r}: name it as "
+                              f"the preset to start from (--preset {value})")
         values[key] = _read(key, value)
     return TrainConfig.from_dict(values)
 
@@ -514,7 +517,8 @@ def resolve_config(preset: str = "tiny-cpu", overrides: dict | None = None) -> T
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sinkflex train", description="GRPO training of a tool-using policy (see sinkflex_core.train).")
-    p.add_argument("--preset", default="tiny-cpu", choices=sorted(PRESETS), help="the values to start from")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="the values to start from (default: tiny-cpu)")
     p.add_argument("--config", help="a config.json, or a run folder holding one (a previous run's), to start "
                                     "from instead of a preset")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -539,10 +543,13 @@ def config_from_argv(argv: list[str] | None) -> tuple[TrainConfig, argparse.Name
         if f.name != "preset" and value is not None:
             overrides[f.name] = value
     if args.config:
+        # the file's values are the start: a preset beside it (or as a key) would be ignored or mislabel them
+        if args.preset is not None or "preset" in overrides:
+            raise ConfigError(f"--config {args.config} and a preset both name the values to start from: pass one")
         base = read_config_file(args.config)
         base.update({k: _read(k, v) for k, v in overrides.items()})
         return TrainConfig.from_dict(base), args
-    return resolve_config(args.preset, overrides), args
+    return resolve_config(args.preset or "tiny-cpu", overrides), args
 
 
 def torchrun_command(cfg: TrainConfig, nproc_per_node: int = 8) -> str:
