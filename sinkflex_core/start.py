@@ -476,6 +476,11 @@ def main(argv: list[str] | None = None) -> int:
                         "other weights or under an earlier reward version, then rewrite README.md")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
+    # checked first: the measurement that reads them comes after the SFT stages (hours)
+    if args.test_samples < 1:
+        p.error(f"--test-samples must be >= 1, got {args.test_samples}")
+    if args.screen_samples < 0:
+        p.error(f"--screen-samples must be >= 0 (0: no screen), got {args.screen_samples}")
     if args.card_only:
         print(write_card(Path(args.out) if args.out else start_dir()))
         return 0

@@ -216,6 +216,21 @@ def test_measure_only_refuses_a_folder_without_a_policy(tmp_path, capsys):
     assert exc.value.code == 2 and "holds no policy" in capsys.readouterr().err
 
 
+def test_bad_episode_counts_are_refused_before_the_sft_or_the_measurement(tmp_path, monkeypatch, capsys):
+    # they reached the measurement only after the SFT stages (hours), as a traceback from the rollouts
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the arguments were checked")
+
+    monkeypatch.setattr(start, "build", no_work)
+    monkeypatch.setattr(start, "measure", no_work)
+    (tmp_path / "model.safetensors").write_bytes(b"")  # a folder --measure-only accepts; never read
+    for bad in (["--test-samples", "0"], ["--test-samples", "-2"], ["--screen-samples", "-1"]):
+        for mode in ([], ["--measure-only"]):
+            with pytest.raises(SystemExit) as exc:
+                start.main(["--out", str(tmp_path / "new" if not mode else tmp_path), *mode, *bad])
+            assert exc.value.code == 2 and bad[0] in capsys.readouterr().err
+
+
 def test_measure_plays_a_start_trained_with_sink_attention_with_it_and_with_full_attention(tmp_path, monkeypatch):
     folder = tmp_path / "sink_start"
     tok = get_tokenizer()
