@@ -104,7 +104,7 @@ def _matches(name: str, ident: str) -> bool:
     ``05_grpo_training.ipynb``, ``0`` is ``00_setup.ipynb``, not every notebook); anything else is a
     prefix of the file name (``05_grpo``)."""
     ident = ident.strip()
-    if ident.isdigit():
+    if ident.isdecimal() and ident.isascii():  # "²" is a digit to isdigit(), not a number to int()
         return name[:2].isdigit() and int(name[:2]) == int(ident)
     return bool(ident) and name.startswith(ident)
 
@@ -370,6 +370,8 @@ def render_html(out_dir: Path | None = None, only: list[str] | None = None) -> l
     from nbconvert import HTMLExporter
 
     out_dir = out_dir or build_dir() / "docs"
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} is a file, not a folder for the pages")
     out_dir.mkdir(parents=True, exist_ok=True)
     exporter = HTMLExporter()
     pages, links = [], []

@@ -181,6 +181,7 @@ def test_reproduce_refuses_unknown_ids_and_parameters_before_running_anything(tm
     })
     refused = {
         ("--only", "00", "7"): "'7'",  # one id of two matches nothing: refused, not half run
+        ("--only", "²"): "no notebook matches '²'",  # a digit to str.isdigit, not a number
         ("--only", "01", "-p", "flag=True"): "'flag' is a parameter of none",  # declared by 00 only
         ("-p", "flga=True"): "'flga' is a parameter of none",
         ("-p", "flag=yes"): "flag='yes' is a string, but 00_a.ipynb declares flag = False",
@@ -194,6 +195,14 @@ def test_reproduce_refuses_unknown_ids_and_parameters_before_running_anything(tm
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         assert message in out.stderr, (args, out.stderr)
     assert not list(root.glob("ran_*")) and not (root / "build" / "notebooks").exists()
+
+
+def test_docs_refuses_an_out_that_is_a_file(tmp_path):
+    taken = tmp_path / "README.md"
+    taken.write_text("kept\n")
+    out = _sinkflex(["docs", "--out", str(taken)], tmp_path)
+    assert out.returncode == 2 and "is a file" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert taken.read_text() == "kept\n"
 
 
 def test_notebook_ids_are_numbers_or_name_prefixes_and_parameters_read_shell_words(tmp_path):
