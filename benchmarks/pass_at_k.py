@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="", help="a CSV file for the per-task counts (with provenance)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if args.threads < 0:
+        p.error(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
     if args.tasks < 1 or args.samples < 1 or args.tasks_per_call < 1:
         p.error("--tasks, --samples and --tasks-per-call must be >= 1")
     # before the policy loads: a misspelt split, or more tasks than it has, failed in the rollouts (the

@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if args.threads < 0:
+        p.error(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
     if not (Path(args.policy) / "config.json").is_file():
         p.error(f"--policy {args.policy!r} is not a saved policy folder (no config.json)")
     # nan passes "< 0"; it (or inf) reached the rollouts only after the policy and the oracle's episodes loaded

@@ -476,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
                         "other weights or under an earlier reward version, then rewrite README.md")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
+    if args.threads < 0:
+        p.error(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
     # checked first: the measurement that reads them comes after the SFT stages (hours)
     if args.test_samples < 1:
         p.error(f"--test-samples must be >= 1, got {args.test_samples}")

@@ -224,7 +224,7 @@ def test_bad_episode_counts_are_refused_before_the_sft_or_the_measurement(tmp_pa
     monkeypatch.setattr(start, "build", no_work)
     monkeypatch.setattr(start, "measure", no_work)
     (tmp_path / "model.safetensors").write_bytes(b"")  # a folder --measure-only accepts; never read
-    for bad in (["--test-samples", "0"], ["--test-samples", "-2"], ["--screen-samples", "-1"]):
+    for bad in (["--test-samples", "0"], ["--test-samples", "-2"], ["--screen-samples", "-1"], ["--threads", "-1"]):
         for mode in ([], ["--measure-only"]):
             with pytest.raises(SystemExit) as exc:
                 start.main(["--out", str(tmp_path / "new" if not mode else tmp_path), *mode, *bad])

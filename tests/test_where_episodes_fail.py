@@ -110,3 +110,6 @@ def test_a_temperature_that_is_not_a_number_is_refused_before_the_policy_loads(s
         with pytest.raises(SystemExit) as exc:
             script.main(["--policy", str(tmp_path), "--temperature", value])
         assert exc.value.code == 2 and f"--temperature {float(value)}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--policy", str(tmp_path), "--threads", "-1"])
+    assert exc.value.code == 2 and "--threads must be >= 0" in capsys.readouterr().err
