@@ -270,3 +270,22 @@ def test_broken_attention_records_are_refused_naming_the_file(tokenizer_dir, tmp
     with pytest.raises(train.ConfigError, match="sink attention"):
         Trainer(TrainConfig.from_dict({**TINY, "model": str(folder), "tokenizer": tokenizer_dir,
                                        "layer_sinks": str(counts), "out_dir": str(tmp_path / "run")}))
+
+
+def test_a_run_whose_sink_attention_differs_from_its_starts_says_so(tmp_path, capfd):
+    """The run's settings win over the shipped start's (window 768, 4 sinks a layer, learned sinks),
+    with a note; the same settings load without one."""
+    from sinkflex_core.paths import data_dir
+
+    start = data_dir() / "retail-tiny-start"
+    base = {**train.resolve_config("tiny-cpu").to_dict(), "model": str(start), "progress": False,
+            "out_dir": str(tmp_path)}
+    for changes, note in [({}, None), ({"layer_sinks": "", "n_sink": 4}, None),
+                          ({"window": 256}, "window 768 -> 256"),
+                          ({"layer_sinks": "", "n_sink": 2}, "sink tokens per layer [4, 4, 4, 4] -> [2, 2, 2, 2]"),
+                          ({"learn_sinks": False}, "its learned sink logits are kept")]:
+        capfd.readouterr()
+        model = train.load_model(TrainConfig.from_dict({**base, **changes}), None, torch.device("cpu"))
+        err = capfd.readouterr().err
+        assert (note in err) if note else "other sink attention" not in err, (changes, err)
+        assert A.attention_settings(model)["window"] == changes.get("window", 768)

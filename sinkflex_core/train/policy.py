@@ -5,6 +5,7 @@ which the trainer, the reference model, the SFT recipe and the memory harness al
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -132,11 +133,13 @@ def load_model(cfg: TrainConfig, tokenizer, device: torch.device, model_config=N
         from .. import attention
         from .layer_sinks import resolve_layer_sinks
 
+        trained = attention.attention_settings(model)  # a saved policy's own, loaded with it
         try:
             attention.apply(model, n_sink=cfg.n_sink, window=cfg.window, learn_sinks=cfg.learn_sinks,
                             layer_sinks=resolve_layer_sinks(cfg, model, tokenizer))
         except ValueError as err:  # a count file that is broken or made for another model
             raise ConfigError(f"sink attention: {err}") from None
+        _say_attention_changes(cfg, trained, attention.attention_settings(model), model.config.num_hidden_layers)
     if cfg.tile_mlp_tokens:
         from .. import memory
 
@@ -164,6 +167,25 @@ def load_model(cfg: TrainConfig, tokenizer, device: torch.device, model_config=N
                 if id(p) not in sink_ids:
                     p.data = p.data.to(dtype)
     return model
+
+
+def _say_attention_changes(cfg: TrainConfig, trained: dict | None, now: dict, n_layers: int) -> None:
+    """The run's sink attention wins over the one its start was trained with (a run may study another
+    window), but not silently: a preset's window replacing the start's would change the policy."""
+    if trained is None or int(os.environ.get("RANK", "0")) != 0:
+        return
+
+    def sinks(settings: dict) -> list[int]:  # one count in every layer, or the layer-by-layer counts
+        return list(settings["layer_sinks"] or [settings["n_sink"]] * n_layers)
+
+    changes = [f"window {trained['window']} -> {now['window']}"] if trained["window"] != now["window"] else []
+    if sinks(trained) != sinks(now):
+        changes.append(f"sink tokens per layer {sinks(trained)} -> {sinks(now)}")
+    if trained["learn_sinks"] and not cfg.learn_sinks:
+        changes.append("its learned sink logits are kept (learn_sinks=false adds none, it removes none)")
+    if changes:
+        print(f"note: {cfg.model} was trained with other sink attention than this run's: {'; '.join(changes)}",
+              file=sys.stderr, flush=True)
 
 
 def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
