@@ -163,11 +163,12 @@ def sft_summary(parts: list[tuple[Path, pd.DataFrame, dict]]) -> dict:
 
 
 def grpo_config(sft_dir: Path, seed: int, out_dir: Path, smoke: bool, threads: int, overrides: dict):
-    values = {"model": str(sft_dir), "seed": seed, "out_dir": str(out_dir), "threads": threads, **overrides}
+    values = {"model": str(sft_dir), "seed": seed, "out_dir": str(out_dir), "threads": threads}
     if smoke:
         values.update(steps=2, tasks_per_step=2, group_size=2, eval_tasks=4, eval_samples=2, eval_every=1,
                       max_total_tokens=512, max_turns=4, max_new_tokens_per_turn=32, micro_batch_size=4,
                       drop_uniform_groups=False)  # the smoke policy solves nothing: update on every group
+    values.update(overrides)  # what --set asks for wins over the smoke sizes too
     return train.resolve_config("tiny-cpu", values)
 
 

@@ -363,3 +363,11 @@ def test_reproduce_curve_measures_a_start_in_data_in_a_copy(tmp_path, monkeypatc
     rows = curve.start_test_rows(shipped, "sdpa", 8, n_test, scratch=tmp_path / "runs")
     assert len(rows) == n_test and calls == [True, False]
     assert (shipped / "test_rewards.csv").read_bytes() == recorded
+
+
+def test_a_smoke_recording_keeps_what_set_asks_for(tmp_path):
+    curve = load_benchmark("reproduce_curve")
+    smoke = curve.grpo_config(tmp_path, 0, tmp_path / "run", True, 1, {})
+    asked = curve.grpo_config(tmp_path, 0, tmp_path / "run", True, 1, {"steps": 5, "group_size": 4})
+    assert (smoke.steps, smoke.group_size) == (2, 2)  # the smoke sizes
+    assert (asked.steps, asked.group_size) == (5, 4)  # --set wins over them
