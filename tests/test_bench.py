@@ -367,3 +367,18 @@ def test_a_run_capped_at_the_whole_of_an_80_gb_card_counts_for_the_80_gib_target
     report = bench.targets_report(bench.load_vram_results(tmp_path)).set_index("target")
     longest = report.loc["longest trajectory under the 80 GiB cap: 131,072 tokens"]
     assert longest["measured"].startswith("131072 tokens") and longest["met"] == "yes"
+
+
+def test_the_training_reward_plot_names_a_seed_that_recorded_no_step():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import pandas as pd
+
+    from sinkflex_core.plots import plot_training_reward
+
+    df = pd.DataFrame({"seed": [0, 0, 1, 1, 2], "step": [1, 2, 1, 2, 1],
+                       "reward_mean": [0.1, 0.2, 0.3, 0.4, float("nan")]})
+    labels = [h.get_label() for h in plot_training_reward(df, label="sinkflex").get_lines()]
+    assert "sinkflex mean of 2 seeds" in labels
+    assert "sinkflex no step recorded: seed 2" in labels
