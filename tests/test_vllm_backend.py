@@ -59,6 +59,7 @@ def test_vllm_backend_rollouts_and_in_place_weight_update():
     # Later turns (and the group's identical first prompts) are found in the prefix cache.
     assert r["cached_prompt_tokens"] > 0.3 * r["prompt_tokens"], r
     assert r["reproducible"], r
+    assert r["foreign_eos_mid_turn"] > 0, r  # turns end at the backend's stop ids alone, as with HF
     assert r["after_update_vs_new_hf_max_abs"] < TOLERANCE, r
     assert r["after_update_vs_old_hf_max_abs"] > 0.05, r
     assert r["rollout_after_update_vs_new_hf_max_abs"] < TOLERANCE, r
@@ -154,6 +155,10 @@ def _main() -> None:
     tok = get_tokenizer()
     cfg_model = tiny_qwen2_config(len(tok), tokenizer=tok)  # head_dim 64
     old, new = build_model(cfg_model, seed=0), build_model(cfg_model, seed=1)
+    # ends of text the model's generation config names but the backend's stop ids do not (as Qwen2.5's
+    # <|endoftext|>): the HF backend samples on through them, and so must vLLM
+    foreign = set(range(300, 600))
+    old.generation_config.eos_token_id = sorted(foreign)
     backend = VLLMBackend(old, tok, max_model_len=2048, gpu_memory_utilization=0.3)
     # A random model rarely writes <|im_end|>; let ~15% of the vocabulary end a turn so that episodes
     # last several turns and later prompts share their prefix with earlier ones.
@@ -168,6 +173,15 @@ def _main() -> None:
         and t.ended_by in ("env", "max_turns", "max_total_tokens", "max_turn_tokens")
         for i, t in enumerate(batch.trajectories))
     first_pass = dict(backend.stats)
+    mid_turn = 0  # ids of `foreign` inside a turn, not at its end
+    for t in batch.trajectories:
+        turn = []
+        for tok_id, m in [*zip(t.input_ids, t.loss_mask), (None, 0)]:
+            if m:
+                turn.append(tok_id)
+            elif turn:
+                mid_turn += sum(x in foreign for x in turn[:-1])
+                turn = []
     again = collect_rollouts(backend, tok, ENV, [0, 3], "train", cfg)
     reproducible = [t.input_ids for t in batch.trajectories] == [t.input_ids for t in again.trajectories]
 
@@ -185,7 +199,7 @@ def _main() -> None:
         "well_formed": well_formed,
         "sampled_vs_hf_max_abs": (batch.old_logprobs[policy] - ref[policy]).abs().max().item(),
         "prompt_tokens": first_pass["prompt_tokens"], "cached_prompt_tokens": first_pass["cached_prompt_tokens"],
-        "reproducible": reproducible,
+        "reproducible": reproducible, "foreign_eos_mid_turn": mid_turn,
         "after_update_vs_new_hf_max_abs": after_new, "after_update_vs_old_hf_max_abs": after_old,
         "rollout_after_update_vs_new_hf_max_abs": roll_new,
     }

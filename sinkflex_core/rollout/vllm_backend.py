@@ -81,9 +81,12 @@ class VLLMBackend:
     def _params(self, max_tokens: int, temperature: float, top_p: float, seed: int | None, **kw):
         from vllm import SamplingParams
 
+        # ignore_eos: a turn ends at this backend's stop ids alone, as in the HF backend. Otherwise vLLM
+        # also ends it at the tokenizer's and the generation config's end-of-text ids (Qwen2.5's
+        # <|endoftext|> beside <|im_end|>), which the episode would record as cut off by the budget.
         return SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                               seed=seed, stop_token_ids=sorted(self.stop_token_ids), logprobs=0,
-                              detokenize=False, skip_special_tokens=False, ignore_eos=False, **kw)
+                              detokenize=False, skip_special_tokens=False, ignore_eos=True, **kw)
 
     def generate(self, requests: Sequence[GenerationRequest], temperature: float = 1.0,
                  top_p: float = 1.0) -> list[GenerationResult]:
