@@ -269,8 +269,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="train the start here instead, with the shipped start's recipe (python -m "
                         "sinkflex_core.start --lookup-stage --zip-stage --sink-stage): into OUT_ROOT/start, its "
                         "stages in OUT_ROOT/start_work (about four and a half hours on 2 cores)")
-    p.add_argument("--parallel", type=int, default=2,
-                   help="runs at once (each with 2/N threads; the recording ran 2, one thread each)")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="runs at once (each with 2/N threads; the recording ran 1: each run alone on 2 cores, "
+                        "as fast as 10 minutes allow; 2 gave each run 3-4 steps instead of 20-23)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="GRPO config override")
     p.add_argument("--screen-samples", type=int, default=0,
                    help="episodes per training task in a screen of the start, GRPO then training on the tasks "

@@ -329,8 +329,8 @@ def test_task_screen_trains_only_on_tasks_solved_sometimes(tokenizer_dir, tmp_pa
 ])
 def test_task_screen_refuses_bad_files(tokenizer_dir, tmp_path, rows, split, message):
     path = tmp_path / "screen.csv"
-    if rows is not None:
-        pd.DataFrame(rows).to_csv(path, index=False)
+    if rows is not None:  # made under the current reward: the error asked for, not a warning about the version
+        pd.DataFrame(rows).assign(reward_version=train.reward_version()).to_csv(path, index=False)
     with pytest.raises(train.ConfigError, match=message):
         Trainer(_cfg(tokenizer_dir, tmp_path / "x", task_screen=str(path), train_split=split))
 
