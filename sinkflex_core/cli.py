@@ -79,31 +79,35 @@ def _cmd_test(args) -> int:
                 "--nbval-sanitize-with", "tests/nbval_sanitize.cfg"]
     cmd += ["-m", "not vllm and not gpu", *args.pytest_args]
     print("== " + " ".join(cmd[2:]), flush=True)
-    before = _tracked_changes(root)
+    before = _changed_files(root)
     rc = subprocess.call(cmd, cwd=root, env=env)
     if rc == 5:
         print("pytest collected no test: counted as a failure", file=sys.stderr)
         return 1
-    rewritten = sorted(path for path, digest in _tracked_changes(root).items() if before.get(path) != digest)
+    rewritten = sorted(path for path, digest in _changed_files(root).items() if before.get(path) != digest)
     if rewritten:
-        print("the tests rewrote tracked files (they must write under build/ only): " + ", ".join(rewritten),
+        print("the tests wrote or rewrote files of the project (they must write under build/ or a temporary "
+              "folder only): " + ", ".join(rewritten),
               file=sys.stderr)
         return rc or 1
     return rc
 
 
-def _tracked_changes(root) -> dict[str, str]:
-    """Tracked files that differ from the last commit, with a digest of their content (empty outside
-    a git checkout), so a test run can tell what it changed itself from what was edited before."""
+def _changed_files(root) -> dict[str, str]:
+    """Files that differ from the last commit, the tracked ones and the new ones git does not ignore,
+    with a digest of their content (empty outside a git checkout), so a test run can tell what it
+    changed or created itself from what was there before."""
     import hashlib
 
     try:
-        names = subprocess.run(["git", "diff", "--name-only", "HEAD"], cwd=root, capture_output=True,
-                               text=True, check=True).stdout.split()
+        names = set()
+        for cmd in (["git", "diff", "--name-only", "HEAD"], ["git", "ls-files", "--others", "--exclude-standard"]):
+            names.update(subprocess.run(cmd, cwd=root, capture_output=True, text=True,
+                                        check=True).stdout.splitlines())
     except (OSError, subprocess.CalledProcessError):
         return {}
     return {name: hashlib.sha256((root / name).read_bytes()).hexdigest() if (root / name).is_file() else "deleted"
-            for name in names}
+            for name in names if name}
 
 
 def _cmd_docs(args) -> int:

@@ -232,7 +232,7 @@ def test_cli_test_hands_pytest_options_to_pytest(monkeypatch):
 
     calls = []
     monkeypatch.setattr(cli.subprocess, "call", lambda cmd, **kw: calls.append(cmd) or 0)
-    monkeypatch.setattr(cli, "_tracked_changes", lambda root: {})
+    monkeypatch.setattr(cli, "_changed_files", lambda root: {})
     for argv, extra in ((["--no-notebooks", "-k", "resume", "-x"], ["-k", "resume", "-x"]),
                         (["-x", "tests/test_grpo.py"], ["-x", "tests/test_grpo.py"]),
                         (["--", "-k", "resume"], ["-k", "resume"])):
@@ -241,6 +241,36 @@ def test_cli_test_hands_pytest_options_to_pytest(monkeypatch):
         ruff, pytest_cmd = calls
         assert pytest_cmd[-len(extra):] == extra, pytest_cmd
         assert ("notebooks" in pytest_cmd) == ("--no-notebooks" not in argv), pytest_cmd
+
+
+def test_cli_test_fails_when_the_tests_write_a_new_file_into_the_project(tmp_path, monkeypatch, capsys):
+    from sinkflex_core import cli, paths
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "kept.txt").write_text("committed\n")
+    (tmp_path / ".gitignore").write_text("build/\n")
+    git("add", ".")
+    git("commit", "-q", "-m", "start")
+    (tmp_path / "scratch.txt").write_text("the user's, there before the tests\n")
+    monkeypatch.setattr(paths, "repo_root", lambda: tmp_path)
+    written = {}
+
+    def fake_call(cmd, **kw):  # ruff does nothing; "pytest" writes the files
+        for name, text in written.items() if "pytest" in cmd else ():
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name).write_text(text)
+        return 0
+
+    monkeypatch.setattr(cli.subprocess, "call", fake_call)
+    written.update({"build/out.csv": "ignored\n"})
+    assert cli.main(["test", "--no-notebooks"]) == 0  # an ignored folder, and the untouched scratch file
+    written.update({"data/new.csv": "a,b\n"})
+    assert cli.main(["test", "--no-notebooks"]) == 1
+    assert "data/new.csv" in capsys.readouterr().err
 
 
 def test_scrub_writes_the_root_as_dot_and_leaves_other_paths_alone(tmp_path, monkeypatch):
