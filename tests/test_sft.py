@@ -84,6 +84,8 @@ def test_bad_sft_config_is_refused():
     assert sft.main(["--max-minutes", "-1"]) == 2
     with pytest.raises(train.ConfigError, match="seed must be an integer >= 0"):
         sft.SFTConfig(seed=-1).validate()
+    with pytest.raises(train.ConfigError, match="seed must be below 2"):
+        sft.SFTConfig(seed=10**30).validate()
     for field, value in [("grad_clip", 0.0), ("grad_clip", float("nan")), ("weight_decay", -0.1),
                          ("weight_decay", float("inf")), ("eval_temperature", float("nan")),
                          ("max_minutes", float("nan"))]:

@@ -78,6 +78,7 @@ def test_cli_overrides_flags_and_set(tmp_path):
     (["--steps", "inf"], "cannot read 'inf' as int"),
     (["--epochs", "inf", "--steps", "0"], "epochs must be a finite number"),
     (["--seed", "-1"], "seed must be an integer >= 0"),
+    (["--set", "seed=1e30"], "seed must be below 2**63"),
     # inf passes a ">= 0" check, then turns the loss (kl_coef, entropy_coef) or the weights (weight_decay) into nan
     (["--set", "kl_coef=inf"], "kl_coef must be a finite number, got inf"),
     (["--set", "entropy_coef=inf"], "entropy_coef must be a finite number"),
@@ -90,6 +91,15 @@ def test_bad_config_values_get_clear_errors(argv, message):
     with pytest.raises(ConfigError, match=None) as err:
         train.config_from_argv(argv)
     assert message in str(err.value)
+
+
+def test_integer_keys_are_read_exactly():
+    # a long seed was read through a float and rounded to another seed
+    cfg, _ = train.config_from_argv(["--set", "seed=1234567890123456789", "--set", "steps=1e3", "--group-size", "8.0"])
+    assert (cfg.seed, cfg.steps, cfg.group_size) == (1234567890123456789, 1000, 8)
+    for text in ("1e400000000", "1.000001"):
+        with pytest.raises(ConfigError, match="as int"):
+            train.config_from_argv(["--set", f"steps={text}"])
 
 
 def test_a_config_built_in_code_with_a_value_of_the_wrong_kind_is_refused_by_name():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import decimal
 import json
 import math
 import os
@@ -210,6 +211,7 @@ class TrainConfig:
                      "layer_sinks_episodes", "seed"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
                  f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        need(self.seed < 2**63, f"seed must be below 2**63 (torch's generators take 64 bits), got {self.seed}")
         need(self.lr > 0 and math.isfinite(self.lr), f"lr must be a positive number, got {self.lr!r}")
         need(self.max_minutes >= 0, f"max_minutes must be >= 0 (0 = no limit), got {self.max_minutes}")
         need(self.epochs >= 0, f"epochs must be >= 0, got {self.epochs!r}")
@@ -451,13 +453,14 @@ def parse_value(default: Any, text: str, optional: bool = False) -> Any:
         raise ConfigError(f"cannot read {text!r} as a boolean")
     try:
         if isinstance(default, int):
-            value = float(text)
-            if value != int(value):
+            # read exactly ("1e3" and "2.0" are integers; a long seed is not rounded through a float)
+            value = decimal.Decimal(text.strip().replace("_", ""))
+            if not value.is_finite() or value.adjusted() > 100 or value != value.to_integral_value():
                 raise ValueError(text)
             return int(value)
         if isinstance(default, float):
             return float(text)
-    except (ValueError, OverflowError):  # OverflowError: int(float("inf"))
+    except (ValueError, OverflowError, decimal.InvalidOperation):
         raise ConfigError(f"cannot read {text!r} as {type(default).__name__}") from None
     return text
 
