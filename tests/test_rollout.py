@@ -149,12 +149,15 @@ def test_budgets_end_episodes_and_say_which(tok, model):
     batch = collect_rollouts(HFBackend(model, tok), tok, ENV, [0], "train", cfg)
     assert [s["ended_by"] for s in batch.stats] == ["max_turn_tokens"] * 2
     assert [s["policy_tokens"] for s in batch.stats] == [8, 8]
+    # cut by a limit, not ended by the task: Gymnasium's truncation
+    assert [(s["truncated"], s["terminated"]) for s in batch.stats] == [(True, False)] * 2
     assert batch.trajectories[0].messages[-1]["role"] == "assistant"
     # The total budget is never exceeded.
     cfg = RolloutConfig(max_turns=50, max_total_tokens=150, max_new_tokens_per_turn=30, **base)
     batch = collect_rollouts(_chatty_backend(model, tok), tok, ENV, [0], "train", cfg)
     assert all(s["ended_by"] == "max_total_tokens" for s in batch.stats)
     assert all(s["length"] <= 150 for s in batch.stats)
+    assert all(s["truncated"] and not s["terminated"] for s in batch.stats)
     # The turn limit: the environment truncates and still grades the episode.
     cfg = RolloutConfig(max_turns=2, max_total_tokens=8192, max_new_tokens_per_turn=256, **base)
     batch = collect_rollouts(AgentBackend(tok), tok, ENV, [0], "train", cfg)

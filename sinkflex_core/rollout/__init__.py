@@ -10,7 +10,8 @@ A trajectory grows turn by turn and is never re-tokenized:
    the template puts between the assistant's end token and the next ``<|im_start|>assistant\\n``),
    tokenized once and appended (loss mask 0);
 4. repeat until the environment ends the episode, or a turn limit, the total token budget or the
-   per-turn token budget is reached (``Trajectory.ended_by`` records which).
+   per-turn token budget is reached (``Trajectory.ended_by`` records which; an episode cut by a limit
+   has ``truncated`` set, as Gymnasium marks a time limit, and keeps the reward the environment gave).
 
 :func:`check_template_consistency` compares the ids assembled this way with the chat template applied
 to the final conversation and reports where and why they differ (a model may write a tool call whose

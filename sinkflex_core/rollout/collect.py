@@ -93,6 +93,10 @@ class _Episode:
 
 def _finish(ep: _Episode, ended_by: str) -> None:
     ep.traj.ended_by = ended_by
+    if ended_by != "env":
+        # cut by a limit, not ended by the task (Gymnasium's truncation): its reward stays what the
+        # environment gave so far
+        ep.traj.truncated = True
     ep.done = True
     ep.env.close()
 
