@@ -154,7 +154,7 @@ print(f"row {row}: {n} tokens; first policy token at {first};",
 print("old_logprobs there:", [round(x, 2) for x in batch.old_logprobs[row, first - 3:first + 5].tolist()])
 
 # %% [markdown]
-# Packed layout: several trajectories per row of a fixed width, position ids restarting at 0 for each, and a document id per token for the packed-document attention mask.
+# Packed layout: several trajectories per row of a fixed width, position ids restarting at 0 for each, and a document id per token for the packed-document attention mask. `packed.attention_mask_4d()` builds that mask for a transformers model; the 2-D `attention_mask` alone would let a row's later trajectories attend to the ones before them.
 
 # %%
 packed = batch.pack(max_tokens=int(batch.lengths().max()) * 2)

@@ -288,6 +288,33 @@ def test_pack_restarts_positions_and_keeps_every_token(tok):
         batch.pack(max(lengths) - 1)
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_packed_rows_with_the_4d_mask_give_each_trajectory_its_own_logits(tok, impl):
+    import copy
+
+    cfg = RolloutConfig(group_size=3, max_turns=2, max_total_tokens=4096, max_new_tokens_per_turn=256,
+                        system_prompt=SHORT_SYSTEM, include_tools=False)
+    batch = collect_rollouts(AgentBackend(tok), tok, ENV, [0, 5], "train", cfg)
+    packed = batch.pack(2 * int(batch.lengths().max()))
+    config = copy.deepcopy(tiny_qwen2_config(len(tok), hidden_size=64, num_layers=2, tokenizer=tok))
+    config._attn_implementation = impl
+    net = build_model(config, seed=0).eval()
+    with torch.no_grad():
+        alone = net(batch.input_ids, attention_mask=batch.attention_mask).logits
+        masked = net(packed.input_ids, attention_mask=packed.attention_mask_4d(),
+                     position_ids=packed.position_ids).logits
+        flat = net(packed.input_ids, attention_mask=packed.attention_mask, position_ids=packed.position_ids).logits
+    later = [(i, span) for i, span in enumerate(packed.spans) if span[1] > 0]
+    assert later, "no row holds two trajectories"
+    for i, (row, start, n) in enumerate(packed.spans):
+        torch.testing.assert_close(masked[row, start:start + n], alone[i, :n], atol=1e-4, rtol=1e-4)
+    # the 2-D mask lets a row's later trajectories see the ones before them
+    i, (row, start, n) = later[0]
+    assert (flat[row, start:start + n] - alone[i, :n]).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="floating-point"):
+        packed.attention_mask_4d(torch.long)
+
+
 def test_top_p_samples_only_from_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(400, 1)
     gens = [torch.Generator().manual_seed(i) for i in range(400)]

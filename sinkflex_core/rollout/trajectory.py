@@ -95,7 +95,10 @@ class PackedRollouts:
     Row tensors are (R, T): ``input_ids``, ``attention_mask`` (1 on real tokens), ``loss_mask``,
     ``old_logprobs``, ``position_ids`` and ``doc_ids`` (index of the trajectory in the source batch,
     -1 on padding). Per-trajectory tensors are (N,): ``group_ids``, ``rewards``; ``spans[i]`` is
-    ``(row, start, length)`` of trajectory i."""
+    ``(row, start, length)`` of trajectory i.
+
+    A transformers model given the 2-D ``attention_mask`` (or none) attends across the trajectories
+    of a row; give it :meth:`attention_mask_4d` with the ``position_ids``."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -107,6 +110,19 @@ class PackedRollouts:
     rewards: torch.Tensor
     spans: list[tuple[int, int, int]]
     stats: list[dict]
+
+    def attention_mask_4d(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The packed-document causal mask as an additive (R, 1, T, T) tensor of ``dtype`` (0 where a
+        query sees a key: the same trajectory, not later; the dtype's lowest value elsewhere), the form a
+        transformers model takes with any attention implementation. It holds R x T x T values (64 MiB
+        a row of 4,096 tokens in float32); padding queries see the padding before them."""
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point type, got {dtype}")
+        T = self.doc_ids.shape[1]
+        causal = torch.ones((T, T), dtype=torch.bool).tril()
+        seen = (self.doc_ids[:, :, None] == self.doc_ids[:, None, :]) & causal
+        mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, torch.finfo(dtype).min)
+        return mask[:, None]
 
 
 @dataclass
