@@ -397,6 +397,20 @@ def main(argv: list[str] | None = None) -> int:
     return record(out_root, sft_dir, args.attentions, args.seeds, args.parallel, args.smoke, test_samples, n_test)
 
 
+def paired_by_task(begin: pd.DataFrame, end: pd.DataFrame, run: str) -> pd.DataFrame:
+    """The start's and a final policy's rows of the same held-out tasks side by side, sorted by task
+    (the start's columns suffixed ``_start``). Refuses tables that do not hold one row per task of the
+    same tasks: a pairing by position would then compare different tasks."""
+    for name, table in (("the start's", begin), (f"{run}'s", end)):
+        doubled = sorted(table.loc[table["task"].duplicated(), "task"].unique().tolist())
+        if doubled:
+            raise SystemExit(f"{name} test table has more than one row for tasks {doubled[:10]}")
+    if set(begin["task"]) != set(end["task"]):
+        only = sorted(set(begin["task"]) ^ set(end["task"]))
+        raise SystemExit(f"the start's and {run}'s test tables hold different tasks (in one only: {only[:10]})")
+    return end.merge(begin, on="task", suffixes=("", "_start"), validate="one_to_one").sort_values("task")
+
+
 def record(out_root: Path, sft_dir: Path, attentions: list[str], seeds: list[int], parallel: int, smoke: bool,
            test_samples: int, n_test: int) -> int:
     """Write the data/ tables from the finished runs (nothing when ``smoke``) and print the summary:
@@ -410,22 +424,25 @@ def record(out_root: Path, sft_dir: Path, attentions: list[str], seeds: list[int
     tables, tests = [], []
     for attention in attentions:
         begin = (start_test_rows(sft_dir, attention, test_samples, n_test, scratch=out_root / "start_measured")
-                 .sort_values("task") if test_samples else None)
+                 if test_samples else None)
         for seed in seeds:
             run_dir = run_dir_of(out_root, attention, seed)
             screen = json.loads((run_dir / "config.json").read_text()).get("task_screen", "")
             tables.append(train.curve_table(run_dir, seed, attention=attention, parallel_runs=parallel,
                                             task_screen=Path(screen).name if screen else "", **sft_extra))
             if test_samples:
-                end = pd.read_csv(run_dir / "test_rewards.csv", dtype={"policy_digest": str}).sort_values("task")
+                end = pd.read_csv(run_dir / "test_rewards.csv", dtype={"policy_digest": str})
+                both = paired_by_task(begin, end, f"{attention} seed {seed}")
                 tests.append(pd.DataFrame({
-                    "attention": attention, "seed": seed, "task": end["task"].to_numpy(), "kind": end["kind"].to_numpy(),
-                    "start_successes": begin["successes"].to_numpy(), "end_successes": end["successes"].to_numpy(),
-                    "tries": end["tries"].to_numpy(),
-                    "start_rate": begin["successes"].to_numpy() / begin["tries"].to_numpy(),
-                    "end_rate": end["successes"].to_numpy() / end["tries"].to_numpy(),
-                    "start_policy": begin["policy_digest"].to_numpy(), "end_policy": end["policy_digest"].to_numpy(),
-                    "start_attention": begin["attention"].to_numpy(), "steps": int(tables[-1]["step"].max()),
+                    "attention": attention, "seed": seed, "task": both["task"].to_numpy(),
+                    "kind": both["kind"].to_numpy(),
+                    "start_successes": both["successes_start"].to_numpy(),
+                    "end_successes": both["successes"].to_numpy(), "tries": both["tries"].to_numpy(),
+                    "start_rate": both["successes_start"].to_numpy() / both["tries_start"].to_numpy(),
+                    "end_rate": both["successes"].to_numpy() / both["tries"].to_numpy(),
+                    "start_policy": both["policy_digest_start"].to_numpy(),
+                    "end_policy": both["policy_digest"].to_numpy(),
+                    "start_attention": both["attention_start"].to_numpy(), "steps": int(tables[-1]["step"].max()),
                     **{k: end[k].iloc[0] for k in ("reward_version", "date", "git_sha", "hardware", "torch",
                                                    "transformers", "python") if k in end}}))
     full = pd.concat(tables, ignore_index=True)

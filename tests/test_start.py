@@ -332,6 +332,24 @@ def test_reproduce_curve_refuses_bad_arguments_before_any_work(monkeypatch, caps
             assert exc.value.code == 2 and says in capsys.readouterr().err
 
 
+def test_reproduce_curve_pairs_the_start_and_a_final_policy_by_task():
+    curve = load_benchmark("reproduce_curve")
+
+    def table(tasks, successes, digest):
+        return pd.DataFrame({"task": tasks, "kind": "read only", "successes": successes, "tries": 8,
+                             "policy_digest": digest, "attention": "saved"})
+
+    begin = table([2, 0, 1], [5, 1, 3], "start")
+    both = curve.paired_by_task(begin, table([0, 1, 2], [2, 4, 6], "end"), "sdpa seed 0")
+    assert both["task"].tolist() == [0, 1, 2]
+    assert both["successes_start"].tolist() == [1, 3, 5] and both["successes"].tolist() == [2, 4, 6]
+    # a start table with a task twice (the same digest measured twice) paired shifted rows by position
+    with pytest.raises(SystemExit, match=r"more than one row for tasks \[1\]"):
+        curve.paired_by_task(table([0, 1, 1, 2], [1, 3, 3, 5], "start"), table([0, 1, 2], [2, 4, 6], "end"), "x")
+    with pytest.raises(SystemExit, match=r"different tasks \(in one only: \[2, 3\]\)"):
+        curve.paired_by_task(begin, table([0, 1, 3], [2, 4, 6], "end"), "x")
+
+
 def test_reproduce_curve_measures_a_start_in_data_in_a_copy(tmp_path, monkeypatch):
     """A recording with other test settings than the start's recorded ones (--test-samples, --smoke) must
     not replace the measurement the shipped start's card states; the recorded one is still reused."""
