@@ -269,11 +269,20 @@ def plot_peak_vs_length(results, paper=None, cap_gib: float | None = 80.0, ax=No
         results = results[results["tokens"].notna()]
         top = max(top, float(pd_numeric(results["peak_gib"]).max() if len(results) else 0.0))
         oom_y = top * 1.06
+        drawn: dict[tuple, str] = {}  # the points of each line drawn so far -> its label
         for label, grp in results.groupby(results.apply(case_label, axis=1), sort=True):
             grp = grp.sort_values("tokens")
             ok = grp[grp["status"] == "ok"]
             style = "--" if "(recorded)" in label else "-"
-            (line,) = ax.plot(ok["tokens"], ok["peak_gib"], style, marker="o", ms=4, label=label)
+            points = tuple(zip(ok["tokens"].astype(float), pd_numeric(ok["peak_gib"]).round(3)))
+            if points and points in drawn:
+                # the same peaks as a line drawn already, which would hide this one: hollow diamonds
+                # around its markers, and the legend says so
+                (line,) = ax.plot(ok["tokens"], ok["peak_gib"], style, lw=0.8, marker="D", ms=8, mfc="none",
+                                  label=f"{label} (= {drawn[points]})")
+            else:
+                (line,) = ax.plot(ok["tokens"], ok["peak_gib"], style, marker="o", ms=4, label=label)
+                drawn.setdefault(points, label)
             oom = grp[grp["status"] == "oom"]
             if len(oom):
                 ax.plot(oom["tokens"], [oom_y] * len(oom), "x", ms=10, mew=2, color=line.get_color())

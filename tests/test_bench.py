@@ -271,6 +271,23 @@ def test_targets_and_figures_from_a_gpu_run(tmp_path):
     assert made.loc["reward_curve.png", "status"].startswith("skipped")
 
 
+def test_a_memory_line_with_the_same_peaks_as_another_stays_visible():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import pandas as pd
+
+    rows = [_gpu_row(f"{attention}/full/plain/{n}", peak, 1.0)
+            for attention in ("flex", "sdpa") for n, peak in ((4096, 23.27), (8192, 32.22))]
+    rows.append(_gpu_row("eager/full/plain/8192", 46.97, 1.0))
+    ax = bench.plot_peak_vs_length(pd.DataFrame(rows))
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    same = lines["sdpa · full logprobs · plain mlp (= flex · full logprobs · plain mlp)"]
+    assert same.get_marker() == "D" and same.get_markerfacecolor() == "none"
+    assert lines["flex · full logprobs · plain mlp"].get_marker() == "o"
+    assert lines["eager · full logprobs · plain mlp"].get_marker() == "o"
+
+
 def test_reward_figure_is_regenerated_from_the_recorded_curves(tmp_path):
     import pandas as pd
 
