@@ -20,8 +20,9 @@ smoke = resolve_smoke(smoke)
 # ## What is installed, and what this machine can do
 #
 # `environment_report()` gathers versions and probes the device. On a CPU, FlexAttention runs forward
-# only (no backward), so training there uses the library's exact pure-PyTorch path of the same
-# attention; on a CUDA GPU the compiled FlexAttention kernels do both.
+# only (no backward), so training there uses the library's exact CPU paths of the same attention
+# (PyTorch's fused attention kernel under the sink mask, or a chunked pure-PyTorch path when the mask
+# would be large); on a CUDA GPU the compiled FlexAttention kernels do both.
 
 # %%
 from sinkflex_core.system import environment_report, print_report

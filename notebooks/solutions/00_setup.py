@@ -52,8 +52,11 @@ assert works["chunked"] == "forward and backward"
 
 # %% [markdown]
 # Both paths compute the same attention as the formula, to float32 rounding. On a CPU FlexAttention has no
-# backward, so it cannot train here; the chunked path, exact as well, does the forward and the backward, and
-# `backend="auto"` picks it on a CPU (FlexAttention on a CUDA GPU, where its compiled kernels do both).
+# backward, so it cannot train here; the chunked path, exact as well, does the forward and the backward.
+# `backend="auto"` picks FlexAttention on a CUDA GPU, where its compiled kernels do both; on a CPU it picks
+# a third exact path, `backend="fused"` (PyTorch's fused attention kernel under the sink mask), and the
+# chunked one only where that mask would be large or the lse's gradient is asked for (notebook 03 compares
+# all three).
 
 # %% [markdown]
 # ## Exercise 2 · Threads
