@@ -19,7 +19,8 @@ print("smoke mode:", smoke)
 # %% [markdown]
 # ## Three kinds of environment, one interface
 #
-# Importing `sinkflex_core` registers three Gymnasium ids. Each `reset` returns the user's first message
+# Importing `sinkflex_core` registers the Gymnasium ids of every environment in this notebook (ten in all);
+# `ENV_IDS` holds the three met first. Each `reset` returns the user's first message
 # and an `info` dict with the task, the tools (OpenAI function schemas) and the policy (the agent's
 # system prompt); each `step` takes the text a chat model wrote.
 
