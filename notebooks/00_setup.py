@@ -58,11 +58,11 @@ assert all(checks.values()), "the environment is missing something: see the FAIL
 # | notebook | what it teaches | needs |
 # |---|---|---|
 # | `00_setup` | this check | anything |
-# | `01_gym_wrapper` | one Gymnasium interface for a simulated retail store, an HTTP tool server and a SQL database; an oracle episode turn by turn; how the reward is computed | CPU, about 2 minutes |
+# | `01_gym_wrapper` | one Gymnasium interface for a simulated retail store, an HTTP tool server and a SQL database; an oracle episode turn by turn; how the reward is computed | CPU, about 30 s |
 # | `02_grpo_loss` | group-relative advantages, the clipped objective, KL estimators, loss aggregation, memory-light log-probs | CPU, seconds |
 # | `03_sink_flex_attention` | sink tokens + sliding window masks, the zero-value sink, per-layer sink estimation, exactness | CPU (GPU for the compiled kernels and timings) |
-# | `04_rollouts` | multi-turn, token-in/token-out rollouts of a group of 8 | CPU, about 4 minutes |
-# | `05_grpo_training` | SFT then GRPO of a tiny policy on the retail world; the reward curve | CPU: about a minute (smoke); about 13 min per seed, after the SFT start and its screen are cached; `preset="paper-8xh100"` prints the 8-GPU command |
+# | `04_rollouts` | multi-turn, token-in/token-out rollouts of a group of 8 | CPU, 2 to 3 minutes |
+# | `05_grpo_training` | SFT then GRPO of a tiny policy on the retail world; the reward curve | CPU: about a minute (smoke); about 11 minutes from the shipped start (10 of them training); `preset="paper-8xh100"` prints the 8-GPU command |
 # | `06_vram_comparison` | the paper's VRAM comparison, measured | GPU for new measurements; on CPU it plots the recorded ones |
 # | `07_paper_figures` | every figure regenerated from `data/`, and the paper-vs-ours table | CPU |
 #

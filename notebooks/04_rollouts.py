@@ -3,7 +3,7 @@
 #
 # A tiny policy plays a group of 8 episodes of one retail task, turn by turn: its tokens are appended as generated (loss mask 1, with their sampling log-probs), each tool result or customer reply is rendered by the chat template as a delta, tokenized once and appended (loss mask 0), and the KV cache of earlier turns is reused. We check that the ids assembled this way equal the chat template applied to the final conversation, colour the tokens by origin, and show the batch of plain tensors that goes to the GRPO loss.
 #
-# Needs: CPU only. Default settings: about 4 minutes on 2 idle cores (most of it a short supervised warm-up of the tiny policy on the oracle's conversations); smoke mode: under a minute.
+# Needs: CPU only. Default settings: 2 to 3 minutes on 2 idle cores (most of it a short supervised warm-up of the tiny policy on the oracle's conversations); smoke mode: under a minute.
 
 # %% tags=["parameters"]
 smoke = False

@@ -147,8 +147,8 @@ bench.targets_report(results)
 # Change one thing, run the cells again, and look for what each exercise names.
 #
 # 1. **Full logits or memory-light log-probs.** Run the harness with `attentions = ["sdpa"]`,
-#    `logprobs = ["full", "chunked"]`, `mlps = ["plain"]` and `tokens = [512, 2048]` (4 cases, about two
-#    minutes), writing to a file of your own (`out = build_dir() / "my_cases.csv"`, so that the recorded
+#    `logprobs = ["full", "chunked"]`, `mlps = ["plain"]` and `tokens = [512, 2048]` (4 cases, under a
+#    minute), writing to a file of your own (`out = build_dir() / "my_cases.csv"`, so that the recorded
 #    `data/vram_cpu.csv` stays as it is). How much more does each path add at 2,048 tokens than at 512?
 #    Compare with one float32 copy of the logits, `L x 16,384 x 4` bytes.
 # 2. **Memory against length on the GPU.** From the recorded GPU rows (`gpu` above), work out for each

@@ -2,7 +2,7 @@
 # # Solutions · 04 Multi-turn rollouts
 #
 # The first cell rebuilds the lesson's tiny policy with the lesson's oracle data and supervised warm-up
-# (most of the lesson's 4 minutes on 2 idle cores; seconds in smoke mode), then each exercise plays three
+# (most of the lesson's 2 to 3 minutes on 2 idle cores; seconds in smoke mode), then each exercise plays three
 # groups of rollouts with one setting changed. Try the exercise in the lesson first.
 
 # %%

@@ -2,7 +2,7 @@
 # # Solutions · 06 The VRAM comparison
 #
 # Exercise 1 measures four GRPO steps of the lesson's tiny model on this machine's CPU, each in its own
-# process (about 2 minutes on a laptop CPU; under a minute in smoke mode), writing its rows under `build/`.
+# process (under a minute on a laptop CPU; less in smoke mode), writing its rows under `build/`.
 # Exercise 2 reads the GPU measurements recorded in `data/`. Try the exercises in the lesson first.
 
 # %%
