@@ -70,6 +70,7 @@ for _, row in made[made["status"] == "regenerated"].iterrows():
 # The paper reports memory in "GB"; ours is GiB (2^30 bytes). Where the harness's own GPU run (`data/vram_h200.csv`) is missing, the memory rows fall back to the measurements recorded in `data/vram_recorded_h200.csv` (HF's `labels=` loss, uncapped H200), and the SINKFLEX rows say "not measured yet". The reward gain is the end minus the start, each a mean over the recorded seeds. The README's "Results so far" table is this one, written by `sinkflex bench results --readme README.md`.
 
 # %%
+# NBVAL_CHECK_OUTPUT
 comparison = bench.paper_vs_ours()
 print(comparison.to_string(index=False))
 
@@ -77,6 +78,7 @@ print(comparison.to_string(index=False))
 # ## Our GPU targets
 
 # %%
+# NBVAL_CHECK_OUTPUT
 print(bench.targets_report(bench.load_vram_results()).to_string(index=False))
 
 # %% [markdown]
