@@ -14,7 +14,8 @@ final policy on the first held-out test tasks, paired with the start's successes
     python benchmarks/async_curves.py --smoke               # a few minutes, nothing written to data/
     python benchmarks/async_curves.py --record-only         # rewrite data/ from the finished runs
 
-Runs go to ``OUT_ROOT/{config}/seed{N}`` (a finished run is reused). Writes ``data/async_curves.csv``
+Runs go to ``OUT_ROOT/{config}/seed{N}`` (a finished run is reused), the smoke runs to
+``OUT_ROOT/smoke/{config}/seed{N}``. Writes ``data/async_curves.csv``
 (every step of every run, with ``config`` and provenance), ``data/async_timeline.csv`` (the learner's
 and the worker's spans of every run, ``train.step_timeline``) and ``data/async_curves_test.csv`` (per run
 and task: the start's and the final policy's success rates), and prints per config the median step time,
@@ -62,6 +63,14 @@ def finished(run_dir: Path, steps: int) -> bool:
     return path.is_file() and (run_dir / "policy").is_dir() and pd.read_csv(path)["step"].max() >= steps
 
 
+def run_dirs(out_root: Path, configs: list[str], seeds: list[int], smoke: bool) -> list[tuple[str, int, Path]]:
+    """``(config, seed, folder)`` of every run. The smoke runs have folders of their own: in the full runs'
+    folders a later full run would take a smoke run of as many steps for finished (and record it in data/),
+    or refuse to resume from its checkpoint (another config)."""
+    root = out_root / "smoke" if smoke else out_root
+    return [(c, s, root / c / f"seed{s}") for c in configs for s in seeds]
+
+
 def start_rates(policy: Path, tasks: int) -> pd.Series:
     """The start's success rate on each of the first ``tasks`` test tasks as the sink-attention runs play
     it, from the 120 tasks x 8 episodes cached in its ``test_rewards.csv`` (measured there first if not)."""
@@ -85,12 +94,20 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.smoke:
         args.steps, args.test_tasks, args.test_samples = min(args.steps, 3), 2, 1
+    # checked before any run: the held-out tests come after every run has trained
+    n_test = train.count_tasks("sinkflex/Retail-v0", "test")
+    if args.steps < 1 or args.test_samples < 1 or not 1 <= args.test_tasks <= n_test:
+        p.error(f"--steps and --test-samples must be >= 1 and --test-tasks in 1..{n_test} (the test split's tasks)")
     policy, out_root = Path(args.policy), Path(args.out_root)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     print(f"# async_curves: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, "
           f"{len(args.configs)} configs x {len(args.seeds)} seeds x {args.steps} steps", flush=True)
-    runs = [(c, s, out_root / c / f"seed{s}") for c in args.configs for s in args.seeds]
-    if not args.record_only:
+    runs = run_dirs(out_root, args.configs, args.seeds, args.smoke)
+    if args.record_only:
+        missing = [str(run_dir) for _, _, run_dir in runs if not finished(run_dir, args.steps)]
+        if missing:
+            p.error(f"--record-only: no finished run of {args.steps} steps in {', '.join(missing)}")
+    else:
         for config, seed, run_dir in runs:
             if finished(run_dir, args.steps):
                 print(f"{config} seed {seed}: finished before, reused", flush=True)
