@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--policy", required=True, help="a saved policy folder (model and tokenizer)")
-    p.add_argument("--env-id", default="sinkflex/Retail-v0", help="the environment (its tasks and reward)")
+    p.add_argument("--env-id", default="sinkflex/Retail-v0",
+                   help="the environment (its tasks and reward): a retail or airline form, whose tasks name their "
+                        "write actions")
     p.add_argument("--split", default="test")
     p.add_argument("--tasks", type=int, default=60, help="the first N tasks of the split")
     p.add_argument("--samples", type=int, default=16, help="episodes per task")
@@ -64,6 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(err))
     if args.tasks > available:
         p.error(f"--tasks {args.tasks}: split {args.split!r} of {args.env_id} has {available} tasks")
+    # the table names each task's write actions and the reward version, which only a task world knows:
+    # an environment without one failed there, after every episode had been played
+    from sinkflex_core.envs.worlds import world_of
+
+    try:
+        world_of(args.env_id)
+    except ValueError as err:
+        p.error(f"--env-id: {err}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.no_progress:

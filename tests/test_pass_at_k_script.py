@@ -98,7 +98,9 @@ def test_a_split_that_does_not_exist_or_too_many_tasks_are_refused_before_any_ro
     policy = str(tmp_path / "policy")  # not read: the arguments are refused first
     n = train.count_tasks("sinkflex/Retail-v0", "test")
     for argv, says in ((["--split", "valid"], "split 'valid'"), (["--tasks", str(n + 1)], f"has {n} tasks"),
-                       (["--threads", "-1"], "--threads must be >= 0")):
+                       (["--threads", "-1"], "--threads must be >= 0"),
+                       # its tasks have no write actions to name, nor a reward version
+                       (["--env-id", "sinkflex/Bash-v0"], "no task world is registered for 'sinkflex/Bash-v0'")):
         with pytest.raises(SystemExit) as exc:
             script.main(["--policy", policy, *argv])
         assert exc.value.code == 2 and says in capsys.readouterr().err
