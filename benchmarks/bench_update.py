@@ -106,6 +106,11 @@ def main(argv=None) -> int:
         p.error(f"unknown path(s) {unknown}; choose from {', '.join(PATHS)}")
     if not os.path.isdir(args.policy):
         p.error(f"--policy {args.policy}: no such folder")
+    # each failed only after the trainer and the batch were built (a group of one has no reward signal:
+    # no row would be updated on, and the time would be that of no update)
+    if min(args.repeats, args.threads, args.chunk) < 1 or args.tasks < 0 or args.group_size < 0 or args.group_size == 1:
+        p.error("--repeats, --threads and --chunk must be >= 1, --tasks >= 0 and --group-size 0 or >= 2 "
+                "(0: the preset's)")
     from sinkflex_core.train import Trainer, resolve_config
 
     torch.set_num_threads(args.threads)

@@ -47,9 +47,18 @@ def test_kernel_paths_give_the_same_update(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--policy", str(START), "--paths", "sinkflex,flash"], "unknown path"),
     (["--policy", "no/such/folder"], "no such folder"),
+    (["--policy", str(START), "--repeats", "0"], "--repeats, --threads and --chunk must be >= 1"),
+    (["--policy", str(START), "--threads", "0"], "--repeats, --threads and --chunk must be >= 1"),
+    (["--policy", str(START), "--chunk", "0"], "--repeats, --threads and --chunk must be >= 1"),
+    (["--policy", str(START), "--tasks", "-1"], "--tasks >= 0"),
+    (["--policy", str(START), "--group-size", "1"], "--group-size 0 or >= 2"),
 ])
-def test_bad_arguments_are_refused(args, message, capsys):
+def test_bad_arguments_are_refused(args, message, capsys, monkeypatch):
     bench = load_benchmark("bench_update")
+    from sinkflex_core import train
+
+    # refused before any trainer is built (they failed only after it and the batch)
+    monkeypatch.setattr(train, "Trainer", lambda *a, **k: pytest.fail("a trainer was built"))
     with pytest.raises(SystemExit):
         bench.main(args)
     assert message in capsys.readouterr().err
