@@ -74,6 +74,11 @@ def end_to_end(backend, tok, n_tasks: int, group: int, turns: int, max_new: int 
             "samples": [t.input_ids for t in batch.trajectories]}
 
 
+def vocabulary_share(token_ids, tok) -> str:
+    """The share of ``tok``'s vocabulary that ``token_ids`` (the ids that end a turn) make up, as printed."""
+    return f"~{len(set(token_ids)) / len(tok):.0%}"
+
+
 RUNS = ("sdpa-stock", "sdpa-fast", "sinkflex-stock", "sinkflex-fast", "sinkflex-fast-chunked",
         "sinkflex-fast-onemask")
 
@@ -225,10 +230,10 @@ def main() -> None:
 
     # A GRPO step's shape: up to 128 new tokens a turn, 2,048 in all; ~2% of the vocabulary ends a turn,
     # so that turns last from a few tokens to the limit, as the tiny SFT policy's do.
-    print("\n## The same on sinkflex/Retail-v0, turns ending at different times (random tiny policy; ~2% of the "
-          "vocabulary ends a turn, up to 128 tokens a turn)")
-    print(f"{'episodes':>8} {'mean turns':>10} {'stock s':>8} {'fast s':>7} {'speed-up':>8} {'same samples':>12}")
     turn_stops = sorted({tok.eos_token_id, *range(3, 60)})
+    print("\n## The same on sinkflex/Retail-v0, turns ending at different times (random tiny policy; "
+          f"{vocabulary_share(turn_stops, tok)} of the vocabulary ends a turn, up to 128 tokens a turn)")
+    print(f"{'episodes':>8} {'mean turns':>10} {'stock s':>8} {'fast s':>7} {'speed-up':>8} {'same samples':>12}")
     n_tasks, group, turns = (1, 4, 3) if args.quick else (4, 8, 10)
     stock = end_to_end(HFBackend(model, tok, stop_token_ids=turn_stops, fast_path=False), tok, n_tasks, group, turns,
                        max_new=128)
@@ -263,7 +268,8 @@ def main() -> None:
         print(f"{name:>8} {r['generated']:>10} {r['seconds']:>8.2f} {r['generated'] / r['seconds']:>9.1f} "
               f"{r['episodes'] / r['seconds']:>10.3f}")
 
-    print("\n## End to end on sinkflex/Retail-v0 (random tiny policy; ~15% of the vocabulary ends a turn)")
+    print(f"\n## End to end on sinkflex/Retail-v0 (random tiny policy; {vocabulary_share(stops, tok)} of the "
+          "vocabulary ends a turn)")
     n_tasks, group, turns = (1, 4, 3) if args.quick else (2, 8, 6)
     print(f"{'backend':>8} {'episodes':>8} {'mean turns':>10} {'gen tokens':>10} {'seconds':>8} {'tokens/s':>9} "
           f"{'episodes/s':>10}")
