@@ -13,16 +13,17 @@ from __future__ import annotations
 import argparse
 import csv
 import time
+from pathlib import Path
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from sinkflex_core.provenance import pin_git_sha
     pin_git_sha()  # the commit that runs, named in every result this run writes
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="data/sandbox_baselines.csv")
     p.add_argument("--tasks", type=int, default=0, help="first N test tasks (0: all)")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     import gymnasium as gym
 
@@ -36,10 +37,18 @@ def main() -> None:
     ok, why = jail_available()
     if not ok:
         raise SystemExit(f"the namespace jail does not work here ({why}); baselines are recorded jailed only")
+    envs = {env_id: gym.make(env_id, split="test") for env_id in ("sinkflex/Bash-v0", "sinkflex/CodeRepair-v0")}
+    # checked before any episode: a task past the end failed after every one before it had been played
+    fewest = min(env.unwrapped.num_tasks for env in envs.values())
+    if not 0 <= args.tasks <= fewest:
+        for env in envs.values():
+            env.close()
+        p.error(f"--tasks must be in 0..{fewest} (0: all), got {args.tasks}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # not a missing folder after all the episodes
     prov = provenance(seed=args.seed, sandbox="namespaces")
     rows = []
     for env_id, expert in (("sinkflex/Bash-v0", BashExpert), ("sinkflex/CodeRepair-v0", CodeRepairExpert)):
-        env = gym.make(env_id, split="test")
+        env = envs[env_id]
         n = args.tasks or env.unwrapped.num_tasks
         for name, make in (("expert", expert), ("random", lambda: RandomAgent(args.seed)),
                            ("do_nothing", DoNothingAgent)):
