@@ -18,6 +18,7 @@ import argparse
 import csv
 import functools
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,11 +26,14 @@ import torch
 print = functools.partial(print, flush=True)  # progress shows when the output goes to a file
 
 
+VOCAB = 3072  # the policy's vocabulary; drill tokens are ids 3 .. 3 + alphabet - 1 (0-2: special tokens)
+
+
 def run_arm(previous_heads: bool, args) -> list[dict]:
     from sinkflex_core import sft
     from sinkflex_core.models import build_model, init_previous_token_heads, tiny_qwen2_config
 
-    cfg = tiny_qwen2_config(vocab_size=3072, hidden_size=args.hidden, num_layers=args.layers, num_heads=4,
+    cfg = tiny_qwen2_config(vocab_size=VOCAB, hidden_size=args.hidden, num_layers=args.layers, num_heads=4,
                             num_kv_heads=2)
     cfg._attn_implementation = "sdpa"
     model = build_model(cfg, seed=args.seed)
@@ -82,6 +86,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--csv", default=None, help="write every printed row, with provenance, to this file")
     args = p.parse_args(argv)
+    # each failed only mid-run (or, for the CSV, at its end, after both arms had trained)
+    if min(args.steps, args.every, args.rows) < 1 or not 1 <= args.alphabet <= VOCAB - 3 or args.length < 16:
+        p.error(f"--steps, --every and --rows must be >= 1, --alphabet in 1..{VOCAB - 3} (the ids of the "
+                f"vocabulary of {VOCAB} after its 3 special tokens) and --length >= 16 (a segment of 8 tokens "
+                "at least, repeated)")
+    if args.csv:
+        Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"copy drills: {args.rows} rows x {args.length} tokens from {args.alphabet} ids; lr {args.lr}; "
