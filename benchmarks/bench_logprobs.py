@@ -31,6 +31,7 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 GIB = 1024**3
 
@@ -126,6 +127,11 @@ def main() -> None:
     p.add_argument("--case", choices=["naive", "chunked"], help=argparse.SUPPRESS)
     p.add_argument("--weight-grad", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
+    # each failed only after the measurements (or, --repeat 0, with a KeyError on the missing ones)
+    if min(args.length, args.hidden, args.vocab, args.chunk, args.repeat) < 1 or args.threads < 0:
+        p.error("--length, --hidden, --vocab, --chunk and --repeat must be >= 1 and --threads >= 0")
+    if args.csv:
+        Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
     if args.threads:
         import torch
 
