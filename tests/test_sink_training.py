@@ -115,6 +115,31 @@ def test_layer_counts_from_a_file_or_the_start_policy_reach_the_model(tok, tmp_p
         train.load_model(_cfg(tmp_path / "d", layer_sinks=str(tmp_path / "missing.json")), tok, torch.device("cpu"))
 
 
+def test_the_run_record_of_the_sink_counts_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A rank that starts later with resume=True reads the record: a write cut half way (a full disk, a
+    killed process) must not leave half a JSON file under its name."""
+    from pathlib import Path
+
+    from sinkflex_core.train.layer_sinks import resolve_layer_sinks
+
+    start = tmp_path / "start"
+    start.mkdir()
+    (start / A.SINKS_FILENAME).write_text(json.dumps({"n_sink": [3, 5]}))
+    cfg = _cfg(tmp_path / "run", layer_sinks="auto", model=str(start))
+    real = Path.write_text
+
+    def cut_short(self, text, *args, **kwargs):
+        real(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(Path, "write_text", cut_short)
+    with pytest.raises(OSError):
+        resolve_layer_sinks(cfg, None, None)
+    monkeypatch.setattr(Path, "write_text", real)
+    assert not (tmp_path / "run" / A.SINKS_FILENAME).exists()
+    assert resolve_layer_sinks(cfg, None, None) == [3, 5] == A.load_layer_sinks(tmp_path / "run")
+
+
 def test_sampler_gap_sums_measure_a_known_perturbation():
     g = torch.Generator().manual_seed(0)
     logp = -torch.rand(3, 10, generator=g) * 4

@@ -89,5 +89,8 @@ def resolve_layer_sinks(cfg: TrainConfig, model: nn.Module, tokenizer) -> list[i
                                                 f"{cfg.env_id} ({cfg.train_split}), {ids.shape[1]} tokens each"}
     if int(os.environ.get("RANK", "0")) == 0:  # every rank computes the same counts; one writes them
         record.parent.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps(data, indent=1) + "\n")
+        # whole or not at all: a rank that starts later with resume=True reads this file
+        tmp = record.with_name(record.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, record)
     return [int(x) for x in data["n_sink"]]
