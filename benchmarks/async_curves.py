@@ -71,10 +71,11 @@ def run_dirs(out_root: Path, configs: list[str], seeds: list[int], smoke: bool) 
     return [(c, s, root / c / f"seed{s}") for c in configs for s in seeds]
 
 
-def start_rates(policy: Path, tasks: int) -> pd.Series:
+def start_rates(policy: Path, tasks: int, scratch: Path) -> pd.Series:
     """The start's success rate on each of the first ``tasks`` test tasks as the sink-attention runs play
-    it, from the 120 tasks x 8 episodes cached in its ``test_rewards.csv`` (measured there first if not)."""
-    rows = start_test_rows(policy, "sinkflex", 8, 120).set_index("task").sort_index()
+    it, from the 120 tasks x 8 episodes cached in its ``test_rewards.csv`` (measured there first if not;
+    a start in data/ in a copy under ``scratch``, so that its recorded table is never rewritten)."""
+    rows = start_test_rows(policy, "sinkflex", 8, 120, scratch=scratch).set_index("task").sort_index()
     return (rows["successes"] / rows["tries"]).iloc[:tasks]
 
 
@@ -127,7 +128,7 @@ def record(policy: Path, runs: list, args) -> int:
     from sinkflex_core.provenance import provenance
 
     curves, timelines, tests = [], [], []
-    start = None if args.smoke else start_rates(policy, args.test_tasks)
+    start = None if args.smoke else start_rates(policy, args.test_tasks, Path(args.out_root) / "start_measured")
     for config, seed, run_dir in runs:
         m = pd.read_csv(run_dir / "metrics.csv")
         curves.append(m.assign(config=config, seed=seed))

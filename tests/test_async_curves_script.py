@@ -54,3 +54,15 @@ def test_bad_arguments_are_refused_before_any_run(curves, tmp_path, argv, says, 
         curves.main(["--configs", "sync", "--seeds", "0", "--out-root", str(tmp_path), *argv])
     assert exc.value.code == 2 and says in capsys.readouterr().err
     assert curves.trained == []
+
+
+def test_the_shipped_start_is_read_in_a_copy(curves, tmp_path):
+    """Measured in place, a start in data/ whose cached rows no longer fit would have its recorded
+    test_rewards.csv rewritten."""
+    from sinkflex_core.paths import data_dir
+
+    shipped = data_dir() / "retail-tiny-start" / "test_rewards.csv"
+    before = shipped.read_bytes()
+    rates = curves.start_rates(data_dir() / "retail-tiny-start", 5, tmp_path / "start_measured")
+    assert (tmp_path / "start_measured" / "retail-tiny-start" / "test_rewards.csv").is_file()
+    assert len(rates) == 5 and rates.between(0, 1).all() and shipped.read_bytes() == before
