@@ -568,3 +568,60 @@ def test_drop_uniform_groups_under_torchrun_when_one_rank_has_nothing_to_learn(t
     assert (a["loss"].iloc[1:].abs() > 1e-4).all()
     for key in ("loss", "kl", "entropy", "grad_norm", "ratio_mean", "reward_mean"):
         pd.testing.assert_series_equal(a[key].iloc[1:], b[key].iloc[1:], rtol=1e-4, atol=1e-7, check_names=False)
+
+
+def test_one_update_is_a_gradient_descent_step_on_the_grpo_loss_of_the_trained_rows():
+    """grpo_update with plain SGD, one epoch, one mini-batch cut into uneven micro-batches and one row
+    left out: the weights move by exactly -lr x the gradient of grpo_loss over the trained rows,
+    computed here in one plain forward. A step up the gradient, a sign lost on the advantages, a term
+    dropped (KL, entropy) or a row trained that should not be all change that step."""
+    from sinkflex_core import grpo
+    from sinkflex_core.models import build_model, tiny_qwen2_config
+    from sinkflex_core.train import update
+
+    lm = build_model(tiny_qwen2_config(vocab_size=64, hidden_size=32, num_layers=1), seed=3)
+    policy = train.TokenLogprobs(lm, entropy_grad=True)
+    g = torch.Generator().manual_seed(0)
+    lengths = [9, 14, 6, 11]
+    B, L = len(lengths), max(lengths)
+    ids = torch.randint(1, 64, (B, L), generator=g)
+    attention = torch.zeros(B, L, dtype=torch.long)
+    loss_mask = torch.zeros(B, L, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, n:] = 0
+        attention[b, :n] = 1
+        loss_mask[b, 3:n] = 1
+        loss_mask[b, 5:7] = 0  # an environment reply between two policy turns
+    positions = torch.arange(L).expand(B, L).clone()
+    with torch.no_grad():
+        logp, _ = policy(ids, attention, positions)
+    noise = torch.randn(2, B, L, generator=g)
+    old = (logp + 0.3 * noise[0]) * loss_mask  # ratios away from 1: some tokens clipped
+    ref = (logp + 0.5 * noise[1]) * loss_mask
+    rows = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask, "old_logprobs": old,
+            "position_ids": positions, "group_ids": torch.tensor([0, 0, 1, 1])}
+    advantages = grpo.group_advantages(torch.tensor([1.0, 0.0, 0.2, 0.9]), rows["group_ids"])
+    train_rows = torch.tensor([True, False, True, True])
+    cfg = TrainConfig(ppo_epochs=1, num_minibatches=1, micro_batch_size=2, grad_clip=0.0, kl_coef=0.5,
+                      entropy_coef=0.05, clip_low=0.2, clip_high=0.28, max_total_tokens=32)
+    lr = 0.1
+    params = [p for p in policy.parameters() if p.requires_grad]
+    # the expected step: the loss of the trained rows alone, in one forward, with their own counts
+    keep = train_rows.nonzero().flatten()
+    policy.train()
+    logp_k, ent_k = policy(ids[keep], attention[keep], positions[keep])
+    loss, _ = grpo.grpo_loss(logp_k, old[keep], advantages[keep], loss_mask[keep], ref_logp=ref[keep],
+                             entropy=ent_k, config=update.loss_config(cfg), norm_length=cfg.max_total_tokens)
+    expected = [-lr * gr for gr in torch.autograd.grad(loss, params)]
+    before = [p.detach().clone() for p in params]
+    optimizer = torch.optim.SGD(params, lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
+    acc = update.grpo_update(policy, optimizer, scheduler, rows, advantages, train_rows, ref, cfg, train.Dist())
+    assert acc["updates"] == 1
+    assert acc["tokens"] == int(loss_mask[keep].sum())
+    assert acc["loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
+    step = [p.detach() - b for p, b in zip(params, before)]
+    total = torch.cat([e.flatten() for e in expected]).norm()
+    assert total > 0
+    err = torch.cat([(s - e).flatten() for s, e in zip(step, expected)]).norm()
+    assert err <= 1e-4 * total, float(err / total)
