@@ -443,8 +443,45 @@ def test_metrics():
     assert m["approx_kl"] == pytest.approx(float((lr.exp() - 1 - lr).mean()), rel=1e-5)
     assert m["approx_kl_k1"] == pytest.approx(float(-lr.mean()), rel=1e-5)
     assert m["loss"] == pytest.approx(-(0.5 + 0.9 + 1.05) / 3, rel=1e-6)
+    # ratios over the policy tokens only (the masked 1.5 is not the maximum)
+    assert m["ratio_mean"] == pytest.approx(2.5 / 3, rel=1e-6) and m["ratio_max"] == pytest.approx(1.1, rel=1e-6)
+    assert m["dual_clip_frac"] == 0 and m["num_tokens"] == 3
+    # A < 0 with a dual clip of 1.2 over all four tokens: 0.5 is clipped up to 0.8 (low side), 1.5 is
+    # bounded by the dual clip; 1.1 > 1.05 leaves the clipped branch inactive for A < 0
+    _, neg = grpo_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 4),
+                       config=GRPOLossConfig(clip_low=0.2, clip_high=0.05, dual_clip=1.2))
+    assert neg["dual_clip_frac"] == 0.25 and neg["clip_frac_low"] == 0.25 and neg["clip_frac_high"] == 0
+    assert neg["loss"] == pytest.approx((0.8 + 0.9 + 1.1 + 1.2) / 4, rel=1e-6)
     rm = reward_metrics(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1]))
     assert rm["reward_mean"] == 0.75 and rm["frac_groups_no_signal"] == 0.5 and rm["num_groups"] == 2
+    # unbiased std: squared deviations 0.0625 * 3 + 0.5625 over 3 = 0.25
+    assert rm["reward_std"] == pytest.approx(0.5) and (rm["reward_min"], rm["reward_max"]) == (0.0, 1.0)
+    rm3 = reward_metrics(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0]), torch.tensor([4, 4, 2, 2, 9, 9]))
+    assert rm3["frac_groups_no_signal"] == pytest.approx(2 / 3) and rm3["num_groups"] == 3
+
+
+def test_grpo_loss_is_the_policy_loss_plus_kl_minus_the_entropy_bonus():
+    """Each term by hand: ratio 1 everywhere (logp = old), so the policy term is -A averaged over the
+    policy tokens; k3 with x = ref - logp; the entropy bonus subtracted, not added."""
+    logp = torch.log(torch.tensor([[0.5, 0.25, 0.2, 0.4], [0.1, 0.6, 0.3, 0.9]], dtype=f64))
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]])
+    x = [[0.2, -0.1, 0.3, 7.0], [9.0, 0.5, -0.4, 0.1]]  # the masked 7 and 9 cannot enter
+    ref = logp + torch.tensor(x, dtype=f64)
+    ent = torch.tensor([[1.0, 2.0, 3.0, 50.0], [60.0, 0.5, 1.5, 2.0]], dtype=f64)
+    adv = torch.tensor([1.5, -0.5], dtype=f64)
+    cfg = GRPOLossConfig(kl_coef=0.1, entropy_coef=0.01)
+    loss, m = grpo_loss(logp, logp.detach(), adv, mask, ref_logp=ref, entropy=ent, config=cfg)
+    kept = [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (1, 3)]
+    pg = sum(-float(adv[b]) for b, _ in kept) / 6
+    kl = sum(math.exp(x[b][t]) - x[b][t] - 1 for b, t in kept) / 6
+    entropy = sum(float(ent[b, t]) for b, t in kept) / 6
+    assert m["pg_loss"] == pytest.approx(pg, rel=1e-9)
+    assert m["kl_ref"] == pytest.approx(kl, rel=1e-9)
+    assert m["entropy"] == pytest.approx(entropy, rel=1e-9)
+    assert float(loss) == pytest.approx(pg + 0.1 * kl - 0.01 * entropy, rel=1e-9)
+    # no reference policy: no KL term, whatever kl_coef
+    alone, m_alone = grpo_loss(logp, logp.detach(), adv, mask, entropy=ent, config=cfg)
+    assert float(alone) == pytest.approx(pg - 0.01 * entropy, rel=1e-9) and "kl_ref" not in m_alone
 
 
 def test_rows_with_signal_are_those_of_groups_whose_rewards_differ():
