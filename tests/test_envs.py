@@ -419,6 +419,7 @@ def test_reward_needs_state_and_outputs(retail_test_env):
     backend.respond(f"The answer is {tasks[j]['outputs'][0].upper()}.")
     reward, details = backend.reward()
     assert reward == 0.0 and details["outputs_found"] == [True] and not details["answers_looked_up"]  # a guess
+    assert details["db_match"] and not details["db_changed"]  # nothing was written
     backend.call_tool("get_order_details", {"order_id": "#W0000000"})  # a failed read reads nothing
     assert backend.reward()[0] == 0.0
     for r in tasks[j]["requests"]:
