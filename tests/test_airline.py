@@ -206,16 +206,31 @@ def test_cancellation_grounds_and_refunds(world):
                                             == "cancelled" for f in fs))
     assert "not eligible" in _call(tools, "cancel_reservation", reservation_id=insured["reservation_id"],
                                    reason="change of plan")
+    def balances():
+        return {pid: (source, amount) for pid, source, amount in
+                conn.execute("SELECT payment_id, source, amount FROM payment_methods")}
+
+    stored_value_refunds = 0
     for res, reason in ((recent, "change of plan"), (business, "other"), (insured, "weather"),
                         (cancelled_by_airline, "airline cancelled flight")):
+        before = balances()
         out = _call(tools, "cancel_reservation", reservation_id=res["reservation_id"], reason=reason)
         assert "cancelled; refund" in out, (res["reservation_id"], out)
         details = json.loads(_call(tools, "get_reservation_details", reservation_id=res["reservation_id"]))
         assert details["status"] == "cancelled"
-        paid = Counter()
+        paid, refunded = Counter(), Counter()
         for p in details["payment_history"]:
             paid[p["payment_id"]] += p["amount"] if p["type"] == "payment" else -p["amount"]
+            if p["type"] == "refund":
+                refunded[p["payment_id"]] += p["amount"]
         assert set(paid.values()) == {0}  # every method got back what it paid
+        # the money itself: a gift card's (or certificate's) balance grows by its refund, a credit card has none
+        after = balances()
+        for pid, (source, amount) in before.items():
+            want = amount if source == "credit_card" else amount + refunded[pid]
+            assert after[pid] == (source, want), (res["reservation_id"], pid, before[pid], after[pid])
+            stored_value_refunds += refunded[pid] if source != "credit_card" else 0
+    assert stored_value_refunds > 0  # a refund to a stored-value method was checked
     # a second cancellation is refused and changes nothing: no second refund, no balance moves
     changes = conn.total_changes
     dump = list(conn.iterdump())
