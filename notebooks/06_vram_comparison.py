@@ -3,7 +3,7 @@
 #
 # One GRPO training step (reference log-probs, policy forward + backward with the clipped loss and KL, an AdamW step; LoRA r=16, gradient checkpointing, batch 1) measured case by case: attention {eager, sdpa, flex, sinkflex} x log-probs {full logits, memory-light chunks} x MLP {plain, tiled over sequence slices} x trajectory length, each case in its own process. It compares the peak memory with the paper's points (28.06 GB standard vs 22.52 GB SINKFLEX at 4,096 tokens; standard out of memory vs 25.53 GB at 8,192) and with the 80 GiB of an H100.
 #
-# Needs: CPU only. On a CPU the harness measures the peak resident memory of the same step for a tiny model (hidden 256, 4 layers, vocabulary 16,384) and the notebook plots the GPU measurements recorded in `data/` (labelled *recorded*); on a GPU machine `preset="qwen25-7b"` measures the Qwen2.5-7B shape (or run `benchmarks/gpu_vram_run.sh`). Time: smoke mode ~30-60 s (2 cases); default mode about 3.5 minutes on 2 idle cores (36 cases, each in its own process; in the recorded run, `data/vram_cpu.csv`, the measured steps took 96 s in all, the rest is each process's start-up).
+# Needs: CPU only. On a CPU the harness measures the peak resident memory of the same step for a tiny model (hidden 256, 4 layers, vocabulary 16,384) and the notebook plots the GPU measurements recorded in `data/` (labelled *recorded*); on a GPU machine `preset="qwen25-7b"` measures the Qwen2.5-7B shape (or run `benchmarks/gpu_vram_run.sh`). Time: smoke mode ~30-60 s (2 cases); default mode about 3.5 minutes on 2 idle cores (36 cases, each in its own process; in the recorded run, `data/vram_cpu.csv`, the measured steps took 41 s in all, the rest is each process's start-up).
 
 # %% tags=["parameters"]
 smoke = False
