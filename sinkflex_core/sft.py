@@ -193,6 +193,9 @@ class SFTConfig:
     save_snapshots: bool = option(False, "also save the model at every evaluation (out_dir/snapshots/step_N)")
     keep_best: bool = option(True, "save the weights of the best evaluation (ties: the later), not the last")
     threads: int = option(0, "torch intra-op threads; 0 = torch's default")
+    bf16: bool = option(False, "the decoder's matrix products in bfloat16 (torch.autocast) in the training "
+                               "steps; weights, optimizer and log-prob head stay float32, evaluations play in "
+                               "float32 (benchmarks/bench_sft_step.py measures the gain)")
     progress: bool = option(True, "a progress bar on stderr")
     out_dir: str = option("runs/sft", "where the policy, its tokenizer and the history go")
 
@@ -568,7 +571,7 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     tokenizer, data, openings = _expert_data(cfg, n_train)
     init_digest = _weights_digest(cfg.init_from) if cfg.init_from else None
     with models.loading_bars(cfg.progress):
-        policy = TokenLogprobs(_build_model(cfg, tokenizer))
+        policy = TokenLogprobs(_build_model(cfg, tokenizer), autocast_dtype=torch.bfloat16 if cfg.bf16 else None)
     if out_dir is not None:  # counts estimated on the weights this run replaces (start.build re-estimates them)
         from .attention import SINKS_FILENAME
 

@@ -897,3 +897,41 @@ def test_a_continued_run_records_the_shape_of_the_weights_it_continued(tmp_path,
 
     monkeypatch.setattr(sft, "train_sft", no_training)
     assert sft.train_or_reuse(command) == tmp_path / "next"
+
+
+@pytest.mark.parametrize("sink_attention", [False, True])
+def test_bf16_runs_the_decoder_in_bfloat16_and_keeps_weights_grads_and_head_in_float32(sink_attention):
+    from sinkflex_core import attention
+    from sinkflex_core.train.policy import TokenLogprobs
+
+    tok = get_tokenizer()
+    model = build_model(tiny_qwen2_config(len(tok), hidden_size=64, num_layers=2, tokenizer=tok), seed=0)
+    if sink_attention:
+        attention.apply(model, n_sink=2, window=16)
+    ids = torch.randint(20, 2000, (2, 48), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    pos = torch.arange(48).expand(2, -1)
+    seen = []
+    hook = model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    exact, _ = TokenLogprobs(model)(ids, mask, pos)
+    mixed_policy = TokenLogprobs(model, autocast_dtype=torch.bfloat16)
+    mixed, _ = mixed_policy(ids, mask, pos)
+    hook.remove()
+    assert seen == [torch.float32, torch.bfloat16]
+    assert mixed.dtype == torch.float32
+    gap = (mixed - exact).abs().max().item()
+    assert 0 < gap < 0.15, gap  # bfloat16's rounding, not another model
+    mixed[:, 1:].mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads.values())
+    assert any("sink" in n for n in grads) == sink_attention
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_bf16_is_an_option_of_the_sft_command_line_off_by_default():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    train.add_config_arguments(p, sft.SFTConfig, keep_defaults=True)
+    assert sft.SFTConfig().bf16 is False and p.parse_args([]).bf16 is False
+    assert p.parse_args(["--bf16"]).bf16 is True and p.parse_args(["--no-bf16"]).bf16 is False

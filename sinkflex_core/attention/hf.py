@@ -172,6 +172,12 @@ def sinkflex_attention_forward(
     sinks = getattr(module, "sinkflex_sink_logits", None)
     if sinks is None:
         sinks = s_aux
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # as autocast runs torch's own attention: q, k and v in its dtype (rotary embeddings return q and k
+        # in float32, the value projection gives the autocast dtype)
+        low = torch.get_autocast_dtype(device_type)
+        query, key, value = query.to(low), key.to(low), value.to(low)
     out = sink_attention(
         query,
         key,

@@ -30,22 +30,30 @@ class TokenLogprobs(nn.Module):
     (:func:`sinkflex_core.grpo.token_logprobs`); else the plain path (all logits in float32).
 
     Being one module matters for FSDP2: the root wrapper all-gathers the embedding, final norm and
-    output layer for the whole forward, including the log-prob head that reads ``lm_head.weight``."""
+    output layer for the whole forward, including the log-prob head that reads ``lm_head.weight``.
 
-    def __init__(self, lm: nn.Module, chunk_size: int = 0, temperature: float = 1.0, entropy_grad: bool = False):
+    ``autocast_dtype`` (e.g. ``torch.bfloat16``): the decoder runs under ``torch.autocast`` with it
+    (its matrix products in that dtype; the weights, their gradients and the log-prob head stay in the
+    weights' dtype)."""
+
+    def __init__(self, lm: nn.Module, chunk_size: int = 0, temperature: float = 1.0, entropy_grad: bool = False,
+                 autocast_dtype: torch.dtype | None = None):
         super().__init__()
         self.lm = lm
         self.chunk_size = int(chunk_size)
         self.temperature = float(temperature)
         self.entropy_grad = bool(entropy_grad)
+        self.autocast_dtype = autocast_dtype
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         from .. import grpo
 
         causal = causal_lm(self.lm)
-        out = causal.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           use_cache=False)
+        with torch.autocast(input_ids.device.type, dtype=self.autocast_dtype or torch.bfloat16,
+                            enabled=self.autocast_dtype is not None):
+            out = causal.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False)
         hidden = out.last_hidden_state
         weight = causal.get_output_embeddings().weight
         if self.temperature != 1.0:
