@@ -85,6 +85,7 @@ from .sft_data import (  # noqa: F401  (re-exported: sft.<name> stays valid)
 )
 from .train import (
     COMPACT_SYSTEM_PROMPT,
+    SEED_LIMIT,
     ConfigError,
     TokenLogprobs,
     add_config_arguments,
@@ -209,7 +210,7 @@ class SFTConfig:
                      "recall_warmup_steps", "identity_warmup_steps", "identity_rows", "action_rows", "seed"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
-        if self.seed >= 2**63:
+        if self.seed >= SEED_LIMIT:
             raise ConfigError(f"seed must be below 2**63 (torch's generators take 64 bits), got {self.seed}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"lr must be a positive number, got {self.lr}")

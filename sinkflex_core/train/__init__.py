@@ -41,6 +41,7 @@ from .config import (
     COMPACT_SYSTEM_PROMPT,
     PAPER_8XH100,
     PRESETS,
+    SEED_LIMIT,
     TINY_CPU,
     ConfigError,
     TrainConfig,
@@ -83,7 +84,7 @@ from .trainer import Trainer, main
 from .update import frozen_logprobs, grpo_update, loss_config, lr_lambda, micro_batches
 
 __all__ = [
-    "CURVE_COLUMNS", "COMPACT_SYSTEM_PROMPT", "METRIC_COLUMNS", "METRIC_HELP", "PAPER_8XH100", "PAPER_REWARD_END",
+    "CURVE_COLUMNS", "COMPACT_SYSTEM_PROMPT", "METRIC_COLUMNS", "METRIC_HELP", "PAPER_8XH100", "SEED_LIMIT", "PAPER_REWARD_END",
     "PAPER_REWARD_START", "PRESETS", "TIMING_COLUMNS", "TINY_CPU", "ConfigError", "Dist", "MetricsLog",
     "TaskSampler", "TokenLogprobs", "TrainConfig", "Trainer", "add_config_arguments", "build_arg_parser",
     "causal_lm", "cli_value", "concat_rollouts", "config_from_argv", "count_tasks", "curve_table", "derive_seed",

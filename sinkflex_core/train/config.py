@@ -28,6 +28,10 @@ class ConfigError(ValueError):
     """A configuration value a user can fix (bad preset, out-of-range number, unknown key)."""
 
 
+#: Seeds must stay below this: torch's generators take 64-bit seeds (GRPO's and SFT's configs check it).
+SEED_LIMIT = 2**63
+
+
 def option(default: Any, help: str) -> Any:
     """A dataclass field with its help text; ``--help``, the docs and the code read it from here."""
     return dataclasses.field(default=default, metadata={"help": help})
@@ -211,7 +215,7 @@ class TrainConfig:
                      "layer_sinks_episodes", "seed"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
                  f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
-        need(self.seed < 2**63, f"seed must be below 2**63 (torch's generators take 64 bits), got {self.seed}")
+        need(self.seed < SEED_LIMIT, f"seed must be below 2**63 (torch's generators take 64 bits), got {self.seed}")
         need(self.lr > 0 and math.isfinite(self.lr), f"lr must be a positive number, got {self.lr!r}")
         need(self.max_minutes >= 0, f"max_minutes must be >= 0 (0 = no limit), got {self.max_minutes}")
         need(self.epochs >= 0, f"epochs must be >= 0, got {self.epochs!r}")
