@@ -197,6 +197,9 @@ class SFTConfig:
     bf16: bool = option(False, "the decoder's matrix products in bfloat16 (torch.autocast) in the training "
                                "steps; weights, optimizer and log-prob head stay float32, evaluations play in "
                                "float32 (benchmarks/bench_sft_step.py measures the gain)")
+    device: str = option("auto", "where the model trains and plays its evaluations: auto (the first GPU when "
+                                 "torch sees one, else the CPU), cpu, cuda or cuda:N; the expert episodes and "
+                                 "the drills are made on the CPU")
     progress: bool = option(True, "a progress bar on stderr")
     out_dir: str = option("runs/sft", "where the policy, its tokenizer and the history go")
 
@@ -210,6 +213,10 @@ class SFTConfig:
                      "recall_warmup_steps", "identity_warmup_steps", "identity_rows", "action_rows", "seed"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        for name in (f.name for f in dataclasses.fields(self) if f.type in (bool, "bool")):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        self.torch_device()  # a device this machine lacks is refused before the expert data and the model
         if self.seed >= SEED_LIMIT:
             raise ConfigError(f"seed must be below 2**63 (torch's generators take 64 bits), got {self.seed}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -280,6 +287,27 @@ class SFTConfig:
             if counts is not None and n_layers is not None and len(counts) != n_layers:
                 raise ConfigError(f"layer_sinks has {len(counts)} counts for a model of {n_layers} layers")
 
+    def torch_device(self) -> torch.device:
+        """The :class:`torch.device` of ``device`` (``auto``: ``cuda:0`` where torch sees a GPU, else the
+        CPU); a device this machine does not have is a :class:`ConfigError`."""
+        spec = self.device
+        if spec == "auto":
+            return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        try:
+            dev = torch.device(spec) if isinstance(spec, str) else None
+        except RuntimeError:
+            dev = None
+        if dev is None or dev.type not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {spec!r}")
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError(f"device {spec!r}: torch sees no CUDA GPU on this machine (use 'cpu' or 'auto')")
+            if (dev.index or 0) >= torch.cuda.device_count():
+                raise ConfigError(f"device {spec!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+        return dev
+
     def sink_counts(self) -> list[int] | None:
         """The per-layer sink counts ``layer_sinks`` names (None: ``n_sink`` in every layer)."""
         spec = self.layer_sinks
@@ -326,6 +354,9 @@ def sft_loss(policy: TokenLogprobs, batch: dict[str, torch.Tensor],
     Expert tokens weigh 1, the other real tokens of the episode ``context_weight`` (padding and each
     row's first token, which has no prefix, weigh 0); where ``batch`` has a ``value_mask``
     (:func:`value_start_mask`), those expert tokens weigh ``value_weight``."""
+    dev = policy.lm.device
+    if batch["input_ids"].device != dev:  # the batches are made on the CPU
+        batch = {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
     logp, _ = policy(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
     mask = batch["loss_mask"]
     real = batch["attention_mask"].to(mask.dtype)
@@ -358,10 +389,11 @@ def expert_token_accuracy(model, tokenizer, examples: list[dict[str, torch.Tenso
 
     Where a policy's rollouts fail is usually visible here: a tiny model may continue a number it
     started well and still rarely start the right one."""
-    digit = torch.zeros(max(len(tokenizer), int(model.get_output_embeddings().weight.shape[0])), dtype=torch.bool)
+    digit = torch.zeros(max(len(tokenizer), int(model.get_output_embeddings().weight.shape[0])), dtype=torch.bool,
+                        device=model.device)
     for tok_id, text in enumerate(token_texts(tokenizer)):
         digit[tok_id] = bool(text) and text.isdigit()
-    tables = value_start_tokens(tokenizer)
+    tables = tuple(t.to(model.device) for t in value_start_tokens(tokenizer))
     tool_call_id = tokenizer.convert_tokens_to_ids("<tool_call>")
     was_training = model.training
     model.eval()
@@ -370,7 +402,8 @@ def expert_token_accuracy(model, tokenizer, examples: list[dict[str, torch.Tenso
     lengths = [len(e["input_ids"]) for e in examples]
     try:
         for idx in length_batches(lengths, batch_tokens, np.random.default_rng(0)):
-            batch = collate([examples[i] for i in idx], tokenizer.pad_token_id or 0)
+            batch = {k: v.to(model.device) for k, v in collate([examples[i] for i in idx],
+                                                               tokenizer.pad_token_id or 0).items()}
             ids = batch["input_ids"]
             with torch.no_grad():
                 logits = model(input_ids=ids, attention_mask=batch["attention_mask"],
@@ -572,7 +605,8 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
     tokenizer, data, openings = _expert_data(cfg, n_train)
     init_digest = _weights_digest(cfg.init_from) if cfg.init_from else None
     with models.loading_bars(cfg.progress):
-        policy = TokenLogprobs(_build_model(cfg, tokenizer), autocast_dtype=torch.bfloat16 if cfg.bf16 else None)
+        model = _build_model(cfg, tokenizer).to(cfg.torch_device())  # before the optimizer: its state follows
+        policy = TokenLogprobs(model, autocast_dtype=torch.bfloat16 if cfg.bf16 else None)
     if out_dir is not None:  # counts estimated on the weights this run replaces (start.build re-estimates them)
         from .attention import SINKS_FILENAME
 
@@ -970,7 +1004,7 @@ def lookup_stage(base_dir: str | Path, out_dir: str | Path, **overrides) -> SFTC
 
 def train_or_reuse(cfg: SFTConfig) -> Path:
     """Train ``cfg`` into ``cfg.out_dir`` unless that folder already holds a policy trained with the
-    same config (``threads``, ``progress``, ``out_dir`` and ``save_snapshots`` aside; a field the saved
+    same config (``threads``, ``device``, ``progress``, ``out_dir`` and ``save_snapshots`` aside; a field the saved
     config lacks, added since, counts as its default); returns the folder."""
     out = Path(cfg.out_dir)
 
@@ -978,7 +1012,7 @@ def train_or_reuse(cfg: SFTConfig) -> Path:
         # with init_from the weights' shape rules (their digest is compared below), not the shape fields
         unused = SHAPE_FIELDS if values.get("init_from") else ()
         return {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(SFTConfig(**values)))).items()
-                if k not in ("threads", "progress", "out_dir", "save_snapshots", *unused)}
+                if k not in ("threads", "device", "progress", "out_dir", "save_snapshots", *unused)}
 
     if (out / "sft_config.json").is_file() and (out / "model.safetensors").is_file():
         if key(saved_config(out)) == key(dataclasses.asdict(cfg)) and _same_inputs(cfg, out):

@@ -243,7 +243,7 @@ def sink_stage_config(base_dir: str | Path, out_dir: str | Path, **overrides):
 def build(out: str | Path | None = None, work_dir: str | Path = "runs/start", threads: int = 0,
           test_samples: int = 8, screen_samples: int = 4, progress: bool = True,
           identity_stage: bool = False, sink_stage: bool = False, lookup_stage: bool = False,
-          zip_stage: bool = False) -> Path:
+          zip_stage: bool = False, device: str = "auto") -> Path:
     """Train (or reuse) the SFT in ``work_dir`` (and, with ``identity_stage``, its second stage,
     :data:`sinkflex_core.sft.IDENTITY_STAGE`; with ``lookup_stage``, :data:`LOOKUP_ROUNDS` rounds of the
     stage that drills every lookup of a tool call's values, :data:`sinkflex_core.sft.LOOKUP_STAGE`; with ``zip_stage``, the zip code's drills
@@ -251,35 +251,32 @@ def build(out: str | Path | None = None, work_dir: str | Path = "runs/start", th
     preset's sink attention, :func:`sink_stage_config`, whose sink counts are estimated on the stage before),
     copy the policy to ``out`` (default: :func:`start_dir`), estimate its sinks (a sink stage keeps the
     counts it trained with), measure it (``screen_samples`` 0: not the training tasks) and write its
-    model card. Returns ``out``."""
+    model card. ``device`` is where every stage trains (:attr:`sinkflex_core.sft.SFTConfig.device`; the
+    measurement plays on the CPU). Returns ``out``."""
     from . import sft
 
     out = Path(out) if out is not None else start_dir()
     work = Path(work_dir)
-    stages = [sft.train_or_reuse(sft.SFTConfig(out_dir=str(work / "sft"), threads=threads, progress=progress,
-                                               **RECIPE))]
+    run = {"threads": threads, "device": device, "progress": progress}  # how each stage runs, not what it learns
+    stages = [sft.train_or_reuse(sft.SFTConfig(out_dir=str(work / "sft"), **run, **RECIPE))]
     if identity_stage:
-        stages.append(sft.train_or_reuse(sft.identity_stage(stages[0], work / "sft_identity", threads=threads,
-                                                            progress=progress)))
+        stages.append(sft.train_or_reuse(sft.identity_stage(stages[0], work / "sft_identity", **run)))
     if lookup_stage:  # twice: the second round without the warm-ups (docs/experiments.md)
         for n in range(LOOKUP_ROUNDS):
             again = {"recall_warmup_steps": 0, "identity_warmup_steps": 0} if n else {}
             stages.append(sft.train_or_reuse(sft.lookup_stage(stages[-1], work / f"sft_lookup{n + 1 if n else ''}",
-                                                              threads=threads, progress=progress, **again)))
+                                                              **run, **again)))
     if zip_stage:
-        stages.append(sft.train_or_reuse(sft.lookup_stage(stages[-1], work / "sft_zip_drills", threads=threads,
-                                                          progress=progress, **ZIP_DRILLS)))
+        stages.append(sft.train_or_reuse(sft.lookup_stage(stages[-1], work / "sft_zip_drills", **run, **ZIP_DRILLS)))
         for n, steps in enumerate(ZIP_ROUND_STEPS):
-            stages.append(sft.train_or_reuse(sft.lookup_stage(stages[-1], work / f"sft_zip{n + 1}", threads=threads,
-                                                              progress=progress, max_steps=steps, eval_every=steps,
-                                                              **ZIP_ROUND)))
+            stages.append(sft.train_or_reuse(sft.lookup_stage(stages[-1], work / f"sft_zip{n + 1}", **run,
+                                                              max_steps=steps, eval_every=steps, **ZIP_ROUND)))
     if sink_stage:
         from . import attention
 
         if not (stages[-1] / attention.SINKS_FILENAME).is_file():
             estimate_sinks(stages[-1])
-        stages.append(sft.train_or_reuse(sink_stage_config(stages[-1], work / "sft_sink", threads=threads,
-                                                                  progress=progress)))
+        stages.append(sft.train_or_reuse(sink_stage_config(stages[-1], work / "sft_sink", **run)))
         (stages[-1] / attention.SINKS_FILENAME).write_bytes((stages[-2] / attention.SINKS_FILENAME).read_bytes())
     _export(stages[-1], out, stages)
     if not sink_stage:
@@ -461,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
                                                "holding a start made with other stage flags is refused)")
     p.add_argument("--work-dir", default="runs/start", help="where the SFT stages train (reused when run again)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--device", default="auto", help="where the SFT stages train: auto (a GPU when torch sees one), "
+                                                    "cpu, cuda or cuda:N (the measurement plays on the CPU)")
     p.add_argument("--test-samples", type=int, default=8, help="episodes per test task")
     p.add_argument("--screen-samples", type=int, default=4, help="episodes per training task in the screen (0: none)")
     p.add_argument("--identity-stage", action="store_true", help="continue the SFT with its identity stage")
@@ -483,6 +482,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--test-samples must be >= 1, got {args.test_samples}")
     if args.screen_samples < 0:
         p.error(f"--screen-samples must be >= 0 (0: no screen), got {args.screen_samples}")
+    from .sft import SFTConfig
+    from .train.config import ConfigError
+
+    try:  # a device this machine lacks, before the expert episodes are made
+        SFTConfig(device=args.device).torch_device()
+    except ConfigError as err:
+        p.error(f"--device: {err}")
     if args.card_only:
         print(write_card(Path(args.out) if args.out else start_dir()))
         return 0
@@ -514,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     out = build(args.out, args.work_dir, args.threads, args.test_samples, args.screen_samples,
                 progress=not args.no_progress, identity_stage=args.identity_stage, sink_stage=args.sink_stage,
-                lookup_stage=args.lookup_stage, zip_stage=args.zip_stage)
+                lookup_stage=args.lookup_stage, zip_stage=args.zip_stage, device=args.device)
     print(out)
     return 0
 

@@ -93,6 +93,49 @@ def test_bad_sft_config_is_refused():
             sft.SFTConfig(**{field: value}).validate()
 
 
+def test_the_bool_fields_and_the_device_are_checked_before_any_work():
+    for field in ("bf16", "keep_best", "learn_sinks", "action_messages"):  # "yes" is truthy: it trained as True
+        with pytest.raises(train.ConfigError, match=f"{field} must be true or false"):
+            sft.SFTConfig(**{field: "yes"}).validate()
+    for bad in ("tpu", "gpu", "cuda:x", "", 0, None):
+        with pytest.raises(train.ConfigError, match="device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"):
+            sft.SFTConfig(device=bad).validate()
+    assert sft.SFTConfig(device="cpu").torch_device() == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert sft.SFTConfig().torch_device() == torch.device("cuda", 0)
+        with pytest.raises(train.ConfigError, match="CUDA GPU"):
+            sft.SFTConfig(device=f"cuda:{torch.cuda.device_count()}").validate()
+    else:
+        assert sft.SFTConfig().torch_device() == torch.device("cpu")  # auto
+        with pytest.raises(train.ConfigError, match="torch sees no CUDA GPU"):
+            sft.SFTConfig(device="cuda").validate()
+    assert sft.main(["--device", "tpu", "--max-steps", "1"]) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_sft_on_a_gpu_follows_the_cpu_run(tmp_path):
+    # the same seed and data on both devices: the same first losses (to float32's rounding on two devices),
+    # the model trained on the GPU, its weights saved and read back, the teacher-forced measure there too
+    runs = {}
+    for device in ("cpu", "cuda"):
+        cfg = sft.SFTConfig(**{**SMALL, "train_tasks": 8, "max_steps": 3, "eval_every": 3, "device": device,
+                               "out_dir": str(tmp_path / device)})
+        runs[device] = sft.train_sft(cfg)
+    assert next(runs["cuda"].model.parameters()).is_cuda
+    assert runs["cuda"].steps == runs["cpu"].steps == 3
+    assert runs["cuda"].history[-1]["loss"] == pytest.approx(runs["cpu"].history[-1]["loss"], rel=5e-3)
+    from sinkflex_core.models import load_policy
+
+    saved = load_policy(tmp_path / "cuda")
+    for a, b in zip(saved.parameters(), runs["cuda"].model.parameters()):
+        torch.testing.assert_close(a, b.cpu())
+    examples = sft.expert_examples(runs["cpu"].tokenizer, sft.SFTConfig(**SMALL), [0, 1], split="test")
+    gpu = sft.expert_token_accuracy(runs["cuda"].model, runs["cuda"].tokenizer, examples)
+    cpu = sft.expert_token_accuracy(saved, runs["cuda"].tokenizer, examples)
+    assert gpu["n_other"] == cpu["n_other"] > 0
+    assert gpu["acc_other"] == pytest.approx(cpu["acc_other"], abs=0.02)
+
+
 def test_an_out_dir_that_cannot_be_written_is_refused_before_training(tmp_path, monkeypatch):
     taken = tmp_path / "a_file"
     taken.write_text("not a folder")
@@ -223,7 +266,9 @@ def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path, caps
         (str(tmp_path / "sft"), str(tmp_path / "sft5"), 64, 3)
     assert all(getattr(lookup, k) == v for k, v in sft.LOOKUP_STAGE.items() if k != "max_steps")
     stamp = (tmp_path / "sft" / "model.safetensors").stat().st_mtime_ns
-    assert sft.train_or_reuse(sft.SFTConfig(**{**cfg.__dict__, "threads": 2, "progress": True})) == tmp_path / "sft"
+    # how a run runs (threads, device, progress) is not what it learns: the finished run is reused
+    assert sft.train_or_reuse(sft.SFTConfig(**{**cfg.__dict__, "threads": 2, "progress": True,
+                                               "device": "cpu"})) == tmp_path / "sft"
     assert "reusing" in capsys.readouterr().err and (tmp_path / "sft" / "model.safetensors").stat().st_mtime_ns == stamp
     # the benchmark's SFT table follows init_from back through the stages, steps counted on from stage to stage
     import importlib.util

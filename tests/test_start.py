@@ -119,8 +119,9 @@ def test_the_lookup_stage_runs_its_rounds_each_on_the_one_before(tmp_path, train
     from sinkflex_core import sft
 
     trained = trained_stages
-    start.build(tmp_path / "start", tmp_path / "work", threads=1, progress=False, lookup_stage=True)
+    start.build(tmp_path / "start", tmp_path / "work", threads=1, progress=False, lookup_stage=True, device="cpu")
     assert [c.out_dir for c in trained] == [str(tmp_path / "work" / d) for d in ("sft", "sft_lookup", "sft_lookup2")]
+    assert [(c.device, c.threads) for c in trained] == [("cpu", 1)] * len(trained)  # every stage where it was asked
     assert [c.init_from for c in trained[1:]] == [trained[0].out_dir, trained[1].out_dir]
     assert trained[1].recall_warmup_steps == sft.LOOKUP_STAGE["recall_warmup_steps"] > 0
     assert trained[2].recall_warmup_steps == trained[2].identity_warmup_steps == 0
@@ -224,7 +225,8 @@ def test_bad_episode_counts_are_refused_before_the_sft_or_the_measurement(tmp_pa
     monkeypatch.setattr(start, "build", no_work)
     monkeypatch.setattr(start, "measure", no_work)
     (tmp_path / "model.safetensors").write_bytes(b"")  # a folder --measure-only accepts; never read
-    for bad in (["--test-samples", "0"], ["--test-samples", "-2"], ["--screen-samples", "-1"], ["--threads", "-1"]):
+    for bad in (["--test-samples", "0"], ["--test-samples", "-2"], ["--screen-samples", "-1"], ["--threads", "-1"],
+                ["--device", "tpu"]):
         for mode in ([], ["--measure-only"]):
             with pytest.raises(SystemExit) as exc:
                 start.main(["--out", str(tmp_path / "new" if not mode else tmp_path), *mode, *bad])
