@@ -30,7 +30,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from .paths import build_dir
+from .paths import atomic_path, build_dir
 
 log = logging.getLogger(__name__)
 
@@ -216,9 +216,8 @@ def get_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE, max_tasks: int = 40, cac
     tok = train_tokenizer(retail_corpus(max_tasks), vocab_size)
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tok.save(str(tmp))
-        tmp.replace(path)  # atomic: parallel test workers never read half a file
+        with atomic_path(path) as tmp:  # parallel test workers never read half a file
+            tok.save(str(tmp))
     return wrap_tokenizer(tok)
 
 

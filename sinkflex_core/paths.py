@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 # The environment variable that puts the notebooks in smoke mode (the test suite sets it).
@@ -72,3 +75,29 @@ def build_dir() -> Path:
 
 def notebooks_dir() -> Path:
     return repo_root() / "notebooks"
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary file name beside ``path`` to write to; when the block ends without an error the file
+    is moved onto ``path`` in one step (``os.replace``), else removed. A reader sees the old file or the
+    whole new one, never a half-written one (a run cut off mid-write, a rank resuming while another
+    writes). The name is new on every call, so two writers of one path (two processes, or two workers of
+    a test run) never write into the same temporary file: the last to finish wins, whole.
+
+        with atomic_path(out / "table.csv") as tmp:
+            frame.to_csv(tmp, index=False)
+    """
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """``Path(path).write_text(text)`` through :func:`atomic_path`."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)

@@ -55,6 +55,7 @@ import torch
 
 from . import models
 from .models import DEFAULT_VOCAB_SIZE
+from .paths import write_text_atomic
 from .sft_data import (  # noqa: F401  (re-exported: sft.<name> stays valid)
     RECALL_FILLER_WORDS,
     action_batch,
@@ -629,9 +630,7 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
         extra = {"init_from_digest": init_digest} if init_digest else {}
         if cfg.init_from:  # the shape of the weights continued, not the command's (unused) shape fields
             extra.update(_shape_fields(model.config))
-        tmp = out_dir / "sft_config.json.tmp"
-        tmp.write_text(json.dumps({**dataclasses.asdict(cfg), **extra}, indent=1) + "\n")
-        tmp.replace(out_dir / "sft_config.json")
+        write_text_atomic(out_dir / "sft_config.json", json.dumps({**dataclasses.asdict(cfg), **extra}, indent=1) + "\n")
     return SFTResult(model=model, tokenizer=tokenizer, history=progress.history, steps=progress.step,
                      stopped_early=progress.stopped, out_dir=out_dir)
 

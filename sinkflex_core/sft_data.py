@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .paths import atomic_path
+
 if TYPE_CHECKING:
     from .sft import SFTConfig
 
@@ -64,9 +66,8 @@ def expert_examples(tokenizer, cfg: SFTConfig, task_indices: list[int], split: s
             bar.close()
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save(out, tmp)
-        tmp.replace(path)
+        with atomic_path(path) as tmp:
+            torch.save(out, tmp)
     return out
 
 

@@ -75,6 +75,7 @@ from pathlib import Path
 
 import torch
 
+from ..paths import write_text_atomic
 from .config import TrainConfig, vllm_backend
 
 _POLL_S = 1.0  # how often a waiting worker checks that its learner is still alive
@@ -399,9 +400,7 @@ class AsyncRollouts:
             return
         keep = [line for line in self.log_path.read_text().splitlines()
                 if line.strip() and json.loads(line)["step"] <= step]
-        tmp = self.log_path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, self.log_path)
+        write_text_atomic(self.log_path, "".join(line + "\n" for line in keep))
 
 
 def step_metrics(trainer, acc: dict) -> dict:

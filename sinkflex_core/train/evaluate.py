@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..paths import atomic_path
 from .checkpoint import file_digest
 from .config import ConfigError, resolve_config, rollout_config
 from .data import count_tasks, derive_seed
@@ -216,9 +217,8 @@ def screen_or_reuse(policy_dir: str | os.PathLike, path: str | os.PathLike, samp
     table = success_table(policy_dir, split, task_ids, samples, seed=seed, progress=progress, env_id=env_id,
                           sinks=sinks)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    table.to_csv(tmp, index=False)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        table.to_csv(tmp, index=False)
     kept = len(screened_tasks(path, split, n, env_id))
     print(f"screen: {kept} of {len(task_ids)} tasks solved sometimes but not always", file=sys.stderr, flush=True)
     return path

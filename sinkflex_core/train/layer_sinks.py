@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..paths import write_text_atomic
 from .config import ConfigError, TrainConfig, rollout_config
 
 # Calibration rows are cut to one length (the estimator takes (B, L) without padding); the first
@@ -90,7 +91,5 @@ def resolve_layer_sinks(cfg: TrainConfig, model: nn.Module, tokenizer) -> list[i
     if int(os.environ.get("RANK", "0")) == 0:  # every rank computes the same counts; one writes them
         record.parent.mkdir(parents=True, exist_ok=True)
         # whole or not at all: a rank that starts later with resume=True reads this file
-        tmp = record.with_name(record.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        os.replace(tmp, record)
+        write_text_atomic(record, json.dumps(data, indent=1) + "\n")
     return [int(x) for x in data["n_sink"]]

@@ -8,6 +8,8 @@ import math
 import os
 from pathlib import Path
 
+from ..paths import atomic_path
+
 METRIC_COLUMNS = [
     "step", "epoch", "tasks", "trajectories", "trajectories_updated", "reward_mean", "reward_std", "success_rate",
     "frac_groups_all_equal", "tokens_policy", "tokens_total", "turns_mean", "loss", "pg_loss", "kl",
@@ -95,12 +97,10 @@ class MetricsLog:
             return
         with open(self.path, newline="") as f:
             rows = [r for r in csv.DictReader(f) if int(r["step"]) <= step]
-        tmp = self.path.with_suffix(".csv.tmp")
-        with open(tmp, "w", newline="") as f:
+        with atomic_path(self.path) as tmp, open(tmp, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
             w.writeheader()
             w.writerows(rows)
-        os.replace(tmp, self.path)
 
     def write(self, row: dict) -> None:
         if not self.enabled:
