@@ -61,10 +61,7 @@ def step_times(hidden: int, layers: int, bf16: bool, batch: dict, tokenizer, rep
     for i in range(repeats + 1):
         t0 = time.perf_counter()
         loss, _ = sft.sft_loss(policy, batch, context_weight=1.0)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        sft.descend(loss, model, opt, grad_clip=1.0)
         if i == 0:
             first = loss.item()
         else:

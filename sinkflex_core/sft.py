@@ -374,6 +374,15 @@ def sft_loss(policy: TokenLogprobs, batch: dict[str, torch.Tensor],
     return -(logp * weight).sum() / weight.sum().clamp(min=1), n
 
 
+def descend(loss: torch.Tensor, model: torch.nn.Module, opt: torch.optim.Optimizer, grad_clip: float) -> None:
+    """One optimizer step of the SFT on ``loss``: backward, the gradient norm clipped to ``grad_clip``,
+    the step, the gradients freed (every loop of this module and ``benchmarks/bench_sft_step.py``)."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 # --------------------------------------------------------------------------------------------------
 # Evaluation and the loop
 # --------------------------------------------------------------------------------------------------
@@ -537,10 +546,7 @@ def drill_warmup(policy: TokenLogprobs, cfg: SFTConfig, steps: int, desc: str, m
             for g in opt.param_groups:
                 g["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
             loss, _ = sft_loss(policy, make_batch(rows, length))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            descend(loss, model, opt, cfg.grad_clip)
             losses.append(loss.item())
             if bar is not None:
                 bar.update(1)
@@ -908,10 +914,7 @@ def _optimizer_step(policy: TokenLogprobs, opt: torch.optim.Optimizer, cfg: SFTC
         act_loss, _ = sft_loss(policy, action_batch(kit.data, kit.cuts, cfg.action_rows, rng, kit.pad, kit.tables,
                                                     kit.identity_groups, kit.quotes))
         loss = loss + act_loss
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(policy.lm.parameters(), cfg.grad_clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    descend(loss, policy.lm, opt, cfg.grad_clip)
     progress.step += 1
     progress.loss_sum += expert_loss * n
     progress.tok_sum += n
