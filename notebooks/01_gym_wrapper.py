@@ -3,7 +3,7 @@
 #
 # A store simulator with a scripted customer (state in SQLite), an airline's reservations desk, a text-to-SQL bank database, a shell over a folder of files and a Python module with a bug all look the same to an agent: text in, text out, a tool call in the Qwen2.5/Hermes format or a message to the user, and one reward at the end. The notebook plays a full retail episode with the policy-following oracle, shows how the reward is computed (database-state hash times required outputs), plays the airline behind the same API, reaches the same tools in process, over FastAPI and over MCP (and any MCP server), runs the executing environments in their jail, and measures the oracle against random and do-nothing agents, with pass^k.
 #
-# Needs: CPU only (Linux user namespaces for the jail; without them the executing environments run unjailed here, see the last section before the baselines). Smoke mode (`SINKFLEX_SMOKE=1`): about a minute. Default: about 30 s on 2 idle cores (every test task, 4 trials per agent); it writes `data/01_env_baselines.csv` and `figures/01_env_baselines.png`.
+# Needs: CPU only (Linux user namespaces for the jail; without them the executing environments run unjailed here, see the last section before the baselines). Smoke mode (`SINKFLEX_SMOKE=1`): about 20 seconds. Default: about 30 s on 2 idle cores (every test task, 4 trials per agent); it writes `data/01_env_baselines.csv` and `figures/01_env_baselines.png`.
 
 # %% tags=["parameters"]
 smoke = False

@@ -59,6 +59,9 @@ def test_oracle_rollouts_are_token_exact_and_solve_their_tasks(tok):
     for i, traj in enumerate(batch.trajectories):
         check = check_template_consistency(traj, tok)
         assert check.equal, str(check)
+        # the last step's info stays with the episode: why the reward is 1, not the role of a next message
+        assert traj.env_info["turn"] == traj.turns and "obs_role" not in traj.env_info
+        assert traj.env_info["reward_info"]["db_match"] is True
         n = len(traj)
         assert batch.attention_mask[i, :n].all() and not batch.attention_mask[i, n:].any()
         assert batch.position_ids[i, :n].tolist() == list(range(n))
