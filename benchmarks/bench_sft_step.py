@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     for hidden, layers in args.shapes:
         fp32, loss32, n = step_times(hidden, layers, False, batch, tokenizer, args.repeats)
         bf16, loss16, _ = step_times(hidden, layers, True, batch, tokenizer, args.repeats)
-        print(f"{hidden}x{layers} ({n / 1e6:.2f}M parameters): float32 {fp32:.2f} s ({B * L / fp32:,.0f} tokens/s), "
-              f"bf16 {bf16:.2f} s ({B * L / bf16:,.0f} tokens/s), x{fp32 / bf16:.2f}; first loss "
+        print(f"{hidden}x{layers} ({n / 1e6:.2f}M parameters): float32 {fp32:.3g} s ({B * L / fp32:,.0f} tokens/s), "
+              f"bf16 {bf16:.3g} s ({B * L / bf16:,.0f} tokens/s), x{fp32 / bf16:.2f}; first loss "
               f"{loss32:.4f} vs {loss16:.4f} (gap {abs(loss32 - loss16):.4f})")
     return 0
 

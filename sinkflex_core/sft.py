@@ -355,8 +355,8 @@ def sft_loss(policy: TokenLogprobs, batch: dict[str, torch.Tensor],
     Expert tokens weigh 1, the other real tokens of the episode ``context_weight`` (padding and each
     row's first token, which has no prefix, weigh 0); where ``batch`` has a ``value_mask``
     (:func:`value_start_mask`), those expert tokens weigh ``value_weight``."""
-    dev = policy.lm.device
-    if batch["input_ids"].device != dev:  # the batches are made on the CPU
+    dev = getattr(getattr(policy, "lm", None), "device", None)  # None: a stand-in policy of the tests
+    if dev is not None and batch["input_ids"].device != dev:  # the batches are made on the CPU
         batch = {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
     logp, _ = policy(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
     mask = batch["loss_mask"]
@@ -399,11 +399,12 @@ def expert_token_accuracy(model, tokenizer, examples: list[dict[str, torch.Tenso
 
     Where a policy's rollouts fail is usually visible here: a tiny model may continue a number it
     started well and still rarely start the right one."""
+    device = getattr(model, "device", torch.device("cpu"))
     digit = torch.zeros(max(len(tokenizer), int(model.get_output_embeddings().weight.shape[0])), dtype=torch.bool,
-                        device=model.device)
+                        device=device)
     for tok_id, text in enumerate(token_texts(tokenizer)):
         digit[tok_id] = bool(text) and text.isdigit()
-    tables = tuple(t.to(model.device) for t in value_start_tokens(tokenizer))
+    tables = tuple(t.to(device) for t in value_start_tokens(tokenizer))
     tool_call_id = tokenizer.convert_tokens_to_ids("<tool_call>")
     was_training = model.training
     model.eval()
@@ -412,8 +413,7 @@ def expert_token_accuracy(model, tokenizer, examples: list[dict[str, torch.Tenso
     lengths = [len(e["input_ids"]) for e in examples]
     try:
         for idx in length_batches(lengths, batch_tokens, np.random.default_rng(0)):
-            batch = {k: v.to(model.device) for k, v in collate([examples[i] for i in idx],
-                                                               tokenizer.pad_token_id or 0).items()}
+            batch = {k: v.to(device) for k, v in collate([examples[i] for i in idx], tokenizer.pad_token_id or 0).items()}
             ids = batch["input_ids"]
             with torch.no_grad():
                 logits = model(input_ids=ids, attention_mask=batch["attention_mask"],
