@@ -24,7 +24,8 @@ The recipe, in the order :func:`train_sft` runs it:
   first token of tool-call values (``value_loss_weight``), the identity stage that scores the values
   of the identity call alone (``identity_*``; :data:`IDENTITY_STAGE` is the recorded second stage),
   the later calls' values scored alone (``action_rows``; ``action_tools`` keeps the calls of some
-  tools, ``action_messages`` adds the messages that confirm them), renumbering of two-digit tokens
+  tools, ``action_messages`` adds the messages before them; ``short_action_rows``, the same turns
+  with the episode's middle cut away), renumbering of two-digit tokens
   (``swap_digit_pairs``); :data:`LOOKUP_STAGE` combines them;
 - early stopping: every ``eval_every`` optimizer steps the policy plays held-out training tasks (the
   last ``val_tasks`` of the ``"train"`` split, never in the SFT data) with the rollout settings of the
@@ -78,6 +79,7 @@ from .sft_data import (  # noqa: F401  (re-exported: sft.<name> stays valid)
     quote_tokens,
     recall_drills,
     recall_tokens,
+    short_context,
     swap_names,
     token_texts,
     value_start_mask,
@@ -157,6 +159,10 @@ class SFTConfig:
                                  "calls, whose values add their own mean loss (action_batch)")
     action_tools: str = option("", "comma-separated tool names: the action rows cut only at calls of these "
                                    "tools ('': every call after the first)")
+    short_action_rows: int = option(0, "rows per optimizer step cut as the action rows are (action_tools, "
+                                    "action_messages) with the episode's middle cut away: the system turn, the "
+                                    "customer's sentences, the expert's messages, the tool outputs holding a "
+                                    "value of the call, the turn (sft_data.short_context)")
     action_messages: bool = option(False, "the action rows also cut after the expert's messages between its "
                                           "first and last tool call (the confirmation of a write call), every "
                                           "token of the message scored")
@@ -211,7 +217,7 @@ class SFTConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("train_tasks", "val_tasks", "warmup_steps", "min_steps", "threads", "schedule_steps",
                      "num_heads", "num_kv_heads", "copy_warmup_steps", "opening_copies",
-                     "recall_warmup_steps", "identity_warmup_steps", "identity_rows", "action_rows", "seed"):
+                     "recall_warmup_steps", "identity_warmup_steps", "identity_rows", "action_rows", "short_action_rows", "seed"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         for name in (f.name for f in dataclasses.fields(self) if f.type in (bool, "bool")):
@@ -238,8 +244,9 @@ class SFTConfig:
             raise ConfigError(f"copy_fraction must be in [0, 1), got {self.copy_fraction}")
         if not (isinstance(self.recall_fact_fillers, int) and 0 <= self.recall_fact_fillers <= 4):
             raise ConfigError(f"recall_fact_fillers must be an integer in [0, 4], got {self.recall_fact_fillers!r}")
-        if (self.action_tools or self.action_messages) and not self.action_rows:
-            raise ConfigError("action_tools and action_messages choose what the action rows drill: set action_rows")
+        if (self.action_tools or self.action_messages) and not (self.action_rows or self.short_action_rows):
+            raise ConfigError("action_tools and action_messages choose what the action rows drill: set action_rows "
+                              "or short_action_rows")
         if self.identity_values not in ("first", "whole"):
             raise ConfigError(f"identity_values must be 'first' or 'whole', got {self.identity_values!r}")
         if not 0 <= self.recall_plain_share <= 1:
@@ -577,6 +584,7 @@ class _Ingredients:
     tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     quotes: torch.Tensor | None = None  # identity rows score whole values (identity_values="whole")
     cuts: list[tuple[int, int, int]] | None = None  # the later tool calls, for action rows
+    short: tuple[list[str], int] | None = None  # the token texts and the turn id, for short action rows
 
 
 @dataclass
@@ -780,7 +788,7 @@ def _prepare(policy: TokenLogprobs, cfg: SFTConfig, tokenizer, data: list[dict[s
     special = set(tokenizer.all_special_ids)
     copy_tokens = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
     # before the warm-ups (it draws nothing from rng): an action tool the expert never calls is refused at once
-    cuts = _action_cuts(cfg, tokenizer, data) if cfg.action_rows else None
+    cuts = _action_cuts(cfg, tokenizer, data) if cfg.action_rows or cfg.short_action_rows else None
     if cfg.copy_warmup_steps and not cfg.init_from:
         copy_warmup(policy, cfg, copy_tokens, rng)
     recall = recall_tokens(tokenizer, data) if cfg.recall_fraction or cfg.recall_warmup_steps else None
@@ -792,15 +800,19 @@ def _prepare(policy: TokenLogprobs, cfg: SFTConfig, tokenizer, data: list[dict[s
         swap_groups = name_swap_groups(tokenizer, data)
         print(f"sft: renaming {cfg.swap_names:.0%} of the episodes; words per group: "
               f"{[len(g) for g in swap_groups]}", file=sys.stderr)
-    tables = value_start_tokens(tokenizer) if cfg.value_loss_weight != 1.0 or openings or cfg.action_rows else None
+    actions = bool(cfg.action_rows or cfg.short_action_rows)
+    tables = value_start_tokens(tokenizer) if cfg.value_loss_weight != 1.0 or openings or actions else None
     numbers = number_swap_group(tokenizer) if openings or cfg.swap_numbers else torch.zeros(0, dtype=torch.long)
     # (a tokenizer without such tokens renumbers nothing)
     number_groups = [g for g in [numbers] + ([digit_pair_group(tokenizer)] if cfg.swap_digit_pairs else [])
                      if len(g) >= 2]
     # identity batches are renamed and renumbered: a training user's order id is otherwise a key to
     # remembering their zip code
-    identity_groups = swap_groups + number_groups if openings or cfg.action_rows else []
-    quotes = quote_tokens(tokenizer) if (openings or cfg.action_rows) and cfg.identity_values == "whole" else None
+    identity_groups = swap_groups + number_groups if openings or actions else []
+    quotes = quote_tokens(tokenizer) if (openings or actions) and cfg.identity_values == "whole" else None
+    short = None
+    if cfg.short_action_rows:
+        short = (token_texts(tokenizer), tokenizer.convert_tokens_to_ids("<|im_start|>"))
     if cfg.identity_warmup_steps:
         identity_warmup(policy, cfg, openings, identity_groups, pad, tables, rng, quotes)
     number_group = number_groups if cfg.swap_numbers else []
@@ -809,12 +821,13 @@ def _prepare(policy: TokenLogprobs, cfg: SFTConfig, tokenizer, data: list[dict[s
         print(f"sft: renumbering {cfg.swap_numbers:.0%} of the episodes ({sizes})", file=sys.stderr)
     return _Ingredients(tokenizer=tokenizer, data=data, openings=openings, val_ids=val_ids, pad=pad,
                         copy_tokens=copy_tokens, recall=recall, swap_groups=swap_groups, number_group=number_group,
-                        identity_groups=identity_groups, tables=tables, quotes=quotes, cuts=cuts)
+                        identity_groups=identity_groups, tables=tables, quotes=quotes, cuts=cuts, short=short)
 
 
 def _action_cuts(cfg: SFTConfig, tokenizer, data: list[dict[str, torch.Tensor]]) -> list[tuple[int, int, int, bool]]:
     """The turns the action rows cut after (:func:`action_cuts`): with ``cfg.action_tools``, only the
-    calls of those tools (each checked against the tools the expert's episodes call) and the messages."""
+    calls of those tools (each checked against the tools the expert's episodes call) and the messages
+    whose next call is one of them."""
     texts = token_texts(tokenizer)
     cuts = action_cuts(data, tokenizer.convert_tokens_to_ids("<tool_call>"), cfg.action_messages)
     names = ["message" if whole else call_name(data[n]["input_ids"][start:end], texts) for n, start, end, whole in cuts]
@@ -824,10 +837,18 @@ def _action_cuts(cfg: SFTConfig, tokenizer, data: list[dict[str, torch.Tensor]])
         if tools - called:
             raise ConfigError(f"action_tools: the expert's episodes never call {sorted(tools - called)} after "
                               f"their first call; they call {sorted(c for c in called if c)}")
-        keep = [k for k, (cut, name) in enumerate(zip(cuts, names)) if cut[3] or name in tools]
+        # a message stays where the expert's next call is one of those tools (the message confirms it)
+        following, nxt = [None] * len(cuts), None
+        for k in range(len(cuts) - 1, -1, -1):
+            if k + 1 < len(cuts) and cuts[k + 1][0] != cuts[k][0]:
+                nxt = None
+            if not cuts[k][3]:
+                nxt = names[k]
+            following[k] = nxt
+        keep = [k for k, cut in enumerate(cuts) if following[k] in tools]
         cuts, names = [cuts[k] for k in keep], [names[k] for k in keep]
     if not cuts:
-        raise RuntimeError("action_rows: no expert episode calls a second tool")
+        raise RuntimeError("action_rows, short_action_rows: no expert episode calls a second tool")
     kinds = collections.Counter(names).most_common()
     print(f"sft: action rows cut after {len(cuts)} turns ({', '.join(f'{k} {v}' for k, v in kinds)})", file=sys.stderr)
     return cuts
@@ -914,6 +935,10 @@ def _optimizer_step(policy: TokenLogprobs, opt: torch.optim.Optimizer, cfg: SFTC
         act_loss, _ = sft_loss(policy, action_batch(kit.data, kit.cuts, cfg.action_rows, rng, kit.pad, kit.tables,
                                                     kit.identity_groups, kit.quotes))
         loss = loss + act_loss
+    if cfg.short_action_rows:
+        short_loss, _ = sft_loss(policy, action_batch(kit.data, kit.cuts, cfg.short_action_rows, rng, kit.pad,
+                                                      kit.tables, kit.identity_groups, kit.quotes, short=kit.short))
+        loss = loss + short_loss
     descend(loss, policy.lm, opt, cfg.grad_clip)
     progress.step += 1
     progress.loss_sum += expert_loss * n
@@ -1004,9 +1029,14 @@ def lookup_stage(base_dir: str | Path, out_dir: str | Path, **overrides) -> SFTC
     return SFTConfig(**values)
 
 
+#: The fields of :class:`SFTConfig` that say how a run runs, not what it learns: a finished run is reused
+#: whatever they are (:func:`train_or_reuse`), and a recipe passes them to every stage (``start.build``).
+RUN_FIELDS = ("threads", "device", "progress")
+
+
 def train_or_reuse(cfg: SFTConfig) -> Path:
     """Train ``cfg`` into ``cfg.out_dir`` unless that folder already holds a policy trained with the
-    same config (``threads``, ``device``, ``progress``, ``out_dir`` and ``save_snapshots`` aside; a field the saved
+    same config (:data:`RUN_FIELDS`, ``out_dir`` and ``save_snapshots`` aside; a field the saved
     config lacks, added since, counts as its default); returns the folder."""
     out = Path(cfg.out_dir)
 
@@ -1014,7 +1044,7 @@ def train_or_reuse(cfg: SFTConfig) -> Path:
         # with init_from the weights' shape rules (their digest is compared below), not the shape fields
         unused = SHAPE_FIELDS if values.get("init_from") else ()
         return {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(SFTConfig(**values)))).items()
-                if k not in ("threads", "device", "progress", "out_dir", "save_snapshots", *unused)}
+                if k not in (*RUN_FIELDS, "out_dir", "save_snapshots", *unused)}
 
     if (out / "sft_config.json").is_file() and (out / "model.safetensors").is_file():
         if key(saved_config(out)) == key(dataclasses.asdict(cfg)) and _same_inputs(cfg, out):

@@ -178,21 +178,64 @@ def call_name(ids: torch.Tensor, texts: list[str]) -> str | None:
 
 def action_batch(examples: list[dict[str, torch.Tensor]], cuts: list[tuple[int, int, int, bool]], rows: int,
                  rng: np.random.Generator, pad_id: int, value_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                 groups: list[torch.Tensor] | None = None, quotes: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                 groups: list[torch.Tensor] | None = None, quotes: torch.Tensor | None = None,
+                 short: tuple[list[str], int] | None = None) -> dict[str, torch.Tensor]:
     """As :func:`identity_batch`, for the later turns: ``rows`` of ``cuts`` (:func:`action_cuts`)
     drawn at random, each episode cut after that turn, with only the values of that turn's call scored
     (their first tokens; with ``quotes``, whole), or every token of it for a cut marked ``whole`` (a
-    message)."""
+    message). With ``short`` (``(texts, turn_id)``, :func:`short_context`'s), each row keeps only the
+    turns that hold what the cut turn reads."""
     if not cuts:
         raise ValueError("action_batch needs at least one tool call after the first")
     picked, whole = [], []
     for k in rng.integers(0, len(cuts), rows):
         n, start, end, all_tokens = cuts[int(k)]
-        mask = torch.zeros(end, dtype=examples[n]["loss_mask"].dtype)
-        mask[start:end] = examples[n]["loss_mask"][start:end]
-        picked.append({"input_ids": examples[n]["input_ids"][:end], "loss_mask": mask})
+        if short is not None:
+            picked.append(short_context(examples[n], start, end, *short))
+        else:
+            mask = torch.zeros(end, dtype=examples[n]["loss_mask"].dtype)
+            mask[start:end] = examples[n]["loss_mask"][start:end]
+            picked.append({"input_ids": examples[n]["input_ids"][:end], "loss_mask": mask})
         whole.append(all_tokens)
     return _value_rows(picked, rng, pad_id, value_tables, groups, quotes, whole)
+
+
+def short_context(example: dict[str, torch.Tensor], start: int, end: int, texts: list[str], turn_id: int
+                  ) -> dict[str, torch.Tensor]:
+    """The episode ``example`` up to the expert turn ``[start, end)`` (an action cut, :func:`action_cuts`)
+    with its middle cut away: the system turn, the customer's sentences, the expert's messages, the tool
+    outputs that hold a value of the call the turn makes or, for a message, of the next call (a value with
+    a digit: an order, item or product id, a payment method, a street address), and the turn itself,
+    scored as in the whole episode. The other tool outputs and the expert's other calls go.
+
+    ``texts`` is :func:`token_texts`; ``turn_id`` the id that opens a chat turn (``<|im_start|>``). A
+    request a few hundred tokens back in the whole episode is a few dozen back here: the tiny model learns
+    to read which value the customer named (the payment method, a dictated street, the item) in such rows
+    and carries part of it over to whole episodes (``docs/experiments.md``)."""
+    ids, mask = example["input_ids"], example["loss_mask"]
+    bounds = (ids == turn_id).nonzero().flatten().tolist()
+    if not bounds or bounds[0] != 0:
+        bounds = [0] + bounds
+    turns = list(zip(bounds, bounds[1:] + [len(ids)]))
+    text = [("".join(texts[int(t)] for t in ids[a:b])) for a, b in turns]
+    target = next(k for k, (a, b) in enumerate(turns) if a <= start < b)
+    # the call whose values decide which tool outputs stay: the turn's own, else the next one
+    call = next((k for k in range(target, len(turns)) if "<tool_call>" in text[k] and ">assistant" in text[k][:24]),
+                target)
+    values = {v for v in re.findall(r'"([^"]+)"', text[call].split('"arguments"', 1)[-1]) if re.search(r"\d", v)}
+    keep = []
+    for k, (a, b) in enumerate(turns[:target]):
+        head = text[k][:40]
+        if "<tool_response>" in head:
+            if any(v in text[k] for v in values):
+                keep.append((a, b))
+        elif not ("assistant" in head and "<tool_call>" in head):
+            keep.append((a, b))
+    a = turns[target][0]
+    new_ids = torch.cat([ids[x:y] for x, y in keep] + [ids[a:end]])
+    new_mask = torch.zeros(len(new_ids), dtype=mask.dtype)
+    new_mask[len(new_ids) - (end - start):] = mask[start:end]
+    return {"input_ids": new_ids, "loss_mask": new_mask}
 
 
 def quote_tokens(tokenizer) -> torch.Tensor:

@@ -257,7 +257,7 @@ def build(out: str | Path | None = None, work_dir: str | Path = "runs/start", th
 
     out = Path(out) if out is not None else start_dir()
     work = Path(work_dir)
-    run = {"threads": threads, "device": device, "progress": progress}  # how each stage runs, not what it learns
+    run = dict(zip(sft.RUN_FIELDS, (threads, device, progress), strict=True))  # how each stage runs
     stages = [sft.train_or_reuse(sft.SFTConfig(out_dir=str(work / "sft"), **run, **RECIPE))]
     if identity_stage:
         stages.append(sft.train_or_reuse(sft.identity_stage(stages[0], work / "sft_identity", **run)))

@@ -252,7 +252,7 @@ def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path, caps
                                            "value_loss_weight": 10.0, "swap_numbers": 1.0, "recall_warmup_steps": 2,
                                            "recall_fraction": 0.2, "identity_warmup_steps": 2, "identity_rows": 2,
                                            "identity_values": "whole", "swap_digit_pairs": True, "action_rows": 2,
-                                           "recall_fact_fillers": 0}))
+                                           "short_action_rows": 2, "recall_fact_fillers": 0}))
     assert extra.steps == 2 and np.isfinite(extra.history[-1]["loss"])
     assert np.isfinite(extra.history[-1]["identity_loss"]) and "identity warm-up 2 steps" in capsys.readouterr().err
     # the two-stage start: the identity stage continues a saved run; a finished run with the same config is reused
@@ -660,7 +660,15 @@ def test_action_batch_scores_the_values_of_one_later_tool_call(tokenizer):
                                                                              texts) in some]
     assert {sft.call_name(examples[n]["input_ids"][a:b], texts) for n, a, b, w in kept if not w} == set(some)
     messages = [c for c in kept if c[3]]
-    assert messages and messages == [c for c in sft.action_cuts(examples, call_id, messages=True) if c[3]]
+    every = sft.action_cuts(examples, call_id, messages=True)
+
+    def next_call(cut):  # the name of the expert's next call after a message
+        n, _, end, _ = cut
+        return sft.call_name(examples[n]["input_ids"][end:], texts)
+
+    assert messages and messages == [c for c in every if c[3] and next_call(c) in some]
+    assert {next_call(c) for c in every if c[3]} - set(some)  # some messages confirm other tools' calls
+    messages = [c for c in every if c[3]]
     for n, start, end, _ in messages:
         ids, mask = examples[n]["input_ids"], examples[n]["loss_mask"].bool()
         assert call_id not in ids[start:end].tolist() and mask[start:end].all() and not mask[end]
@@ -682,6 +690,72 @@ def test_action_batch_scores_the_values_of_one_later_tool_call(tokenizer):
         sft.SFTConfig(action_rows=-1).validate()
     with pytest.raises(sft.ConfigError, match="set action_rows"):
         sft.SFTConfig(action_messages=True).validate()
+
+
+def test_short_action_rows_keep_the_turns_the_cut_turn_reads(tokenizer):
+    import re
+
+    cfg = sft.SFTConfig(**{**SMALL, "max_total_tokens": 1 << 16})
+    examples = sft.expert_examples(tokenizer, cfg, list(range(16)))
+    call_id, turn_id = tokenizer.convert_tokens_to_ids("<tool_call>"), tokenizer.convert_tokens_to_ids("<|im_start|>")
+    texts = sft.token_texts(tokenizer)
+    cuts = sft.action_cuts(examples, call_id, messages=True)
+
+    def turns(ids):
+        at = (ids == turn_id).nonzero().flatten().tolist() + [len(ids)]
+        return [tokenizer.decode(ids[a:b]) for a, b in zip(at[:-1], at[1:])]
+
+    shorter = 0
+    for n, start, end, whole in cuts:
+        ids, mask = examples[n]["input_ids"], examples[n]["loss_mask"]
+        row = sft.short_context(examples[n], start, end, texts, turn_id)
+        k = len(row["input_ids"]) - (end - start)
+        # the cut turn closes the row, scored as in the episode; nothing before it is scored
+        assert torch.equal(row["input_ids"][k:], ids[start:end]) and torch.equal(row["loss_mask"][k:], mask[start:end])
+        assert not row["loss_mask"][:k].any()
+        full, short = turns(ids[:end]), turns(row["input_ids"])
+        assert short[-1] == full[-1]
+        # whole turns of the episode, in its order
+        it = iter(full[:-1])
+        assert all(any(t == u for u in it) for t in short[:-1])
+        # the call whose values pick the tool outputs: the turn's own, else the next call of the episode
+        later = tokenizer.decode(ids[start:]) if whole else full[-1]
+        call = later.split("<tool_call>", 1)[1].split("</tool_call>")[0]
+        values = [v for v in re.findall(r'"([^"]+)"', call.split('"arguments"', 1)[1]) if re.search(r"\d", v)]
+        for t in full[:-1]:
+            head = t[:40]
+            if "<tool_response>" in head:  # a tool output stays exactly when it holds one of the values
+                assert (t in short) == any(v in t for v in values), (t, values)
+            elif "assistant" in head and "<tool_call>" in head:
+                assert t not in short  # the expert's earlier calls go
+            else:
+                assert t in short  # the system turn, the customer's sentences, the expert's messages
+        shorter += len(row["input_ids"]) < end
+    assert shorter > len(cuts) // 2
+    # the payment method's record stays for a payment confirmation, the order's for an address call
+    kinds = set()
+    for n, start, end, whole in cuts:
+        turn = tokenizer.decode(examples[n]["input_ids"][start:end])
+        text = tokenizer.decode(sft.short_context(examples[n], start, end, texts, turn_id)["input_ids"])
+        if whole and "I will pay" in turn:
+            assert '"payment_methods"' in text
+            kinds.add("payment")
+        if "modify_pending_order_address" in turn:
+            assert '"order_id"' in text.split("</tool_call>")[0] and "<tool_response>" in text
+            kinds.add("address")
+    assert kinds
+    # action_batch with short: the same cuts drawn, the same tokens scored, shorter rows
+    tables, quotes = sft.value_start_tokens(tokenizer), sft.quote_tokens(tokenizer)
+    long = sft.action_batch(examples, cuts, 12, np.random.default_rng(3), tokenizer.pad_token_id, tables, quotes=quotes)
+    brief = sft.action_batch(examples, cuts, 12, np.random.default_rng(3), tokenizer.pad_token_id, tables,
+                             quotes=quotes, short=(texts, turn_id))
+    assert brief["copy_rows"].all()
+    assert [tokenizer.decode(i[m.bool()]) for i, m in zip(long["input_ids"], long["loss_mask"])] == \
+        [tokenizer.decode(i[m.bool()]) for i, m in zip(brief["input_ids"], brief["loss_mask"])]
+    assert brief["attention_mask"].sum() < long["attention_mask"].sum()
+    with pytest.raises(sft.ConfigError, match="short_action_rows"):
+        sft.SFTConfig(short_action_rows=-1).validate()
+    sft.SFTConfig(short_action_rows=2, action_messages=True).validate()
 
 
 def test_swap_numbers_renumbers_every_id_and_zip_the_same_way_everywhere(tokenizer):
