@@ -24,7 +24,7 @@ The recipe, in the order :func:`train_sft` runs it:
   first token of tool-call values (``value_loss_weight``), the identity stage that scores the values
   of the identity call alone (``identity_*``; :data:`IDENTITY_STAGE` is the recorded second stage),
   the later calls' values scored alone (``action_rows``; ``action_tools`` keeps the calls of some
-  tools, ``action_messages`` adds the messages before them; ``short_action_rows``, the same turns
+  tools, ``action_messages`` adds the messages that confirm them; ``short_action_rows``, the same turns
   with the episode's middle cut away), renumbering of two-digit tokens
   (``swap_digit_pairs``); :data:`LOOKUP_STAGE` combines them;
 - early stopping: every ``eval_every`` optimizer steps the policy plays held-out training tasks (the
@@ -826,8 +826,7 @@ def _prepare(policy: TokenLogprobs, cfg: SFTConfig, tokenizer, data: list[dict[s
 
 def _action_cuts(cfg: SFTConfig, tokenizer, data: list[dict[str, torch.Tensor]]) -> list[tuple[int, int, int, bool]]:
     """The turns the action rows cut after (:func:`action_cuts`): with ``cfg.action_tools``, only the
-    calls of those tools (each checked against the tools the expert's episodes call) and the messages
-    whose next call is one of them."""
+    calls of those tools (each checked against the tools the expert's episodes call) and the messages."""
     texts = token_texts(tokenizer)
     cuts = action_cuts(data, tokenizer.convert_tokens_to_ids("<tool_call>"), cfg.action_messages)
     names = ["message" if whole else call_name(data[n]["input_ids"][start:end], texts) for n, start, end, whole in cuts]
@@ -837,15 +836,7 @@ def _action_cuts(cfg: SFTConfig, tokenizer, data: list[dict[str, torch.Tensor]])
         if tools - called:
             raise ConfigError(f"action_tools: the expert's episodes never call {sorted(tools - called)} after "
                               f"their first call; they call {sorted(c for c in called if c)}")
-        # a message stays where the expert's next call is one of those tools (the message confirms it)
-        following, nxt = [None] * len(cuts), None
-        for k in range(len(cuts) - 1, -1, -1):
-            if k + 1 < len(cuts) and cuts[k + 1][0] != cuts[k][0]:
-                nxt = None
-            if not cuts[k][3]:
-                nxt = names[k]
-            following[k] = nxt
-        keep = [k for k, cut in enumerate(cuts) if following[k] in tools]
+        keep = [k for k, (cut, name) in enumerate(zip(cuts, names)) if cut[3] or name in tools]
         cuts, names = [cuts[k] for k in keep], [names[k] for k in keep]
     if not cuts:
         raise RuntimeError("action_rows, short_action_rows: no expert episode calls a second tool")
