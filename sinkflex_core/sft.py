@@ -24,8 +24,9 @@ The recipe, in the order :func:`train_sft` runs it:
   first token of tool-call values (``value_loss_weight``), the identity stage that scores the values
   of the identity call alone (``identity_*``; :data:`IDENTITY_STAGE` is the recorded second stage),
   the later calls' values scored alone (``action_rows``; ``action_tools`` keeps the calls of some
-  tools, ``action_messages`` adds the messages that confirm them; ``short_action_rows``, the same turns
-  with the episode's middle cut away), renumbering of two-digit tokens
+  tools, ``action_messages`` adds the messages, ``action_confirmations`` only those before those tools'
+  calls; ``short_action_rows``, the same turns with the episode's middle cut away, ``short_warmup_steps``
+  of them alone first), renumbering of two-digit tokens
   (``swap_digit_pairs``); :data:`LOOKUP_STAGE` combines them;
 - early stopping: every ``eval_every`` optimizer steps the policy plays held-out training tasks (the
   last ``val_tasks`` of the ``"train"`` split, never in the SFT data) with the rollout settings of the
@@ -166,6 +167,10 @@ class SFTConfig:
     action_messages: bool = option(False, "the action rows also cut after the expert's messages between its "
                                           "first and last tool call (the confirmation of a write call), every "
                                           "token of the message scored")
+    action_confirmations: bool = option(False, "with action_tools and action_messages: only the messages whose "
+                                               "next expert call is one of action_tools (its confirmation)")
+    short_warmup_steps: int = option(0, "optimizer steps on short action rows alone (about batch_tokens a step) "
+                                        "before the SFT, as the identity warm-up")
     identity_values: str = option("first", "what the identity and action rows score of each value of their "
                                            "call: 'first' (its first token) or 'whole' (every token, "
                                            "whole_values)")
@@ -210,6 +215,10 @@ class SFTConfig:
     progress: bool = option(True, "a progress bar on stderr")
     out_dir: str = option("runs/sft", "where the policy, its tokenizer and the history go")
 
+    def _actions(self) -> bool:
+        """Whether the run draws rows cut at the expert's later turns (:func:`action_cuts`)."""
+        return bool(self.action_rows or self.short_action_rows or self.short_warmup_steps)
+
     def validate(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "max_turns", "max_total_tokens", "copy_warmup_length",
                      "max_new_tokens_per_turn", "batch_tokens", "max_steps", "eval_every", "eval_samples"):
@@ -217,7 +226,8 @@ class SFTConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("train_tasks", "val_tasks", "warmup_steps", "min_steps", "threads", "schedule_steps",
                      "num_heads", "num_kv_heads", "copy_warmup_steps", "opening_copies",
-                     "recall_warmup_steps", "identity_warmup_steps", "identity_rows", "action_rows", "short_action_rows", "seed"):
+                     "recall_warmup_steps", "identity_warmup_steps", "identity_rows", "action_rows", "short_action_rows",
+                     "short_warmup_steps", "seed"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         for name in (f.name for f in dataclasses.fields(self) if f.type in (bool, "bool")):
@@ -244,9 +254,12 @@ class SFTConfig:
             raise ConfigError(f"copy_fraction must be in [0, 1), got {self.copy_fraction}")
         if not (isinstance(self.recall_fact_fillers, int) and 0 <= self.recall_fact_fillers <= 4):
             raise ConfigError(f"recall_fact_fillers must be an integer in [0, 4], got {self.recall_fact_fillers!r}")
-        if (self.action_tools or self.action_messages) and not (self.action_rows or self.short_action_rows):
-            raise ConfigError("action_tools and action_messages choose what the action rows drill: set action_rows "
-                              "or short_action_rows")
+        if (self.action_tools or self.action_messages) and not self._actions():
+            raise ConfigError("action_tools and action_messages choose what the action rows drill: set action_rows, "
+                              "short_action_rows or short_warmup_steps")
+        if self.action_confirmations and not (self.action_tools and self.action_messages):
+            raise ConfigError("action_confirmations keeps the messages before the calls of action_tools: set "
+                              "action_tools and action_messages")
         if self.identity_values not in ("first", "whole"):
             raise ConfigError(f"identity_values must be 'first' or 'whole', got {self.identity_values!r}")
         if not 0 <= self.recall_plain_share <= 1:
@@ -533,6 +546,22 @@ def identity_warmup(policy: TokenLogprobs, cfg: SFTConfig, openings: list[dict[s
                         lambda *_: identity_batch(openings, rows, rng, pad_id, value_tables, groups, quotes))
 
 
+def short_warmup(policy: TokenLogprobs, cfg: SFTConfig, data: list[dict[str, torch.Tensor]],
+                 cuts: list[tuple[int, int, int, bool]], short: tuple[list[str], int], groups: list[torch.Tensor],
+                 pad_id: int, value_tables, rng: np.random.Generator, quotes: torch.Tensor | None = None
+                 ) -> list[float]:
+    """``cfg.short_warmup_steps`` optimizer steps on short action rows alone (:func:`action_batch` with
+    ``short``, :func:`short_context`), as :func:`identity_warmup` (about ``cfg.batch_tokens`` real tokens
+    per step, the rows' mean length taken from up to 256 cuts spread over ``cuts``). Returns the loss of
+    every step."""
+    sample = cuts[::max(1, len(cuts) // 256)]
+    mean = np.mean([len(short_context(data[n], a, b, *short)["input_ids"]) for n, a, b, _ in sample])
+    rows = max(1, round(cfg.batch_tokens / mean))
+    return drill_warmup(policy, cfg, cfg.short_warmup_steps, "short-row warm-up",
+                        lambda *_: action_batch(data, cuts, rows, rng, pad_id, value_tables, groups, quotes,
+                                                short=short))
+
+
 def drill_warmup(policy: TokenLogprobs, cfg: SFTConfig, steps: int, desc: str, make_batch) -> list[float]:
     """``steps`` optimizer steps on the batches ``make_batch(rows, length)`` returns (rows of
     ``cfg.copy_warmup_length`` tokens, ``cfg.batch_tokens`` per step; learning rate ``cfg.lr`` after a
@@ -788,7 +817,7 @@ def _prepare(policy: TokenLogprobs, cfg: SFTConfig, tokenizer, data: list[dict[s
     special = set(tokenizer.all_special_ids)
     copy_tokens = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
     # before the warm-ups (it draws nothing from rng): an action tool the expert never calls is refused at once
-    cuts = _action_cuts(cfg, tokenizer, data) if cfg.action_rows or cfg.short_action_rows else None
+    cuts = _action_cuts(cfg, tokenizer, data) if cfg._actions() else None
     if cfg.copy_warmup_steps and not cfg.init_from:
         copy_warmup(policy, cfg, copy_tokens, rng)
     recall = recall_tokens(tokenizer, data) if cfg.recall_fraction or cfg.recall_warmup_steps else None
@@ -800,7 +829,7 @@ def _prepare(policy: TokenLogprobs, cfg: SFTConfig, tokenizer, data: list[dict[s
         swap_groups = name_swap_groups(tokenizer, data)
         print(f"sft: renaming {cfg.swap_names:.0%} of the episodes; words per group: "
               f"{[len(g) for g in swap_groups]}", file=sys.stderr)
-    actions = bool(cfg.action_rows or cfg.short_action_rows)
+    actions = cfg._actions()
     tables = value_start_tokens(tokenizer) if cfg.value_loss_weight != 1.0 or openings or actions else None
     numbers = number_swap_group(tokenizer) if openings or cfg.swap_numbers else torch.zeros(0, dtype=torch.long)
     # (a tokenizer without such tokens renumbers nothing)
@@ -811,10 +840,12 @@ def _prepare(policy: TokenLogprobs, cfg: SFTConfig, tokenizer, data: list[dict[s
     identity_groups = swap_groups + number_groups if openings or actions else []
     quotes = quote_tokens(tokenizer) if (openings or actions) and cfg.identity_values == "whole" else None
     short = None
-    if cfg.short_action_rows:
+    if cfg.short_action_rows or cfg.short_warmup_steps:
         short = (token_texts(tokenizer), tokenizer.convert_tokens_to_ids("<|im_start|>"))
     if cfg.identity_warmup_steps:
         identity_warmup(policy, cfg, openings, identity_groups, pad, tables, rng, quotes)
+    if cfg.short_warmup_steps:
+        short_warmup(policy, cfg, data, cuts, short, identity_groups, pad, tables, rng, quotes)
     number_group = number_groups if cfg.swap_numbers else []
     if number_group:
         sizes = ", ".join(f"{len(g)} {w}-digit tokens" for g, w in zip(number_group, ("three", "two")))
@@ -836,7 +867,11 @@ def _action_cuts(cfg: SFTConfig, tokenizer, data: list[dict[str, torch.Tensor]])
         if tools - called:
             raise ConfigError(f"action_tools: the expert's episodes never call {sorted(tools - called)} after "
                               f"their first call; they call {sorted(c for c in called if c)}")
-        keep = [k for k, (cut, name) in enumerate(zip(cuts, names)) if cut[3] or name in tools]
+        if cfg.action_confirmations:  # a message's name becomes that of the expert's next call
+            names = [call_name(data[n]["input_ids"][end:], texts) if whole else name
+                     for (n, start, end, whole), name in zip(cuts, names)]
+        keep = [k for k, (cut, name) in enumerate(zip(cuts, names)) if name in tools or
+                (cut[3] and not cfg.action_confirmations)]
         cuts, names = [cuts[k] for k in keep], [names[k] for k in keep]
     if not cuts:
         raise RuntimeError("action_rows, short_action_rows: no expert episode calls a second tool")

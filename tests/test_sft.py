@@ -252,9 +252,12 @@ def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path, caps
                                            "value_loss_weight": 10.0, "swap_numbers": 1.0, "recall_warmup_steps": 2,
                                            "recall_fraction": 0.2, "identity_warmup_steps": 2, "identity_rows": 2,
                                            "identity_values": "whole", "swap_digit_pairs": True, "action_rows": 2,
-                                           "short_action_rows": 2, "recall_fact_fillers": 0}))
+                                           "short_action_rows": 2, "short_warmup_steps": 2,
+                                           "recall_fact_fillers": 0}))
     assert extra.steps == 2 and np.isfinite(extra.history[-1]["loss"])
-    assert np.isfinite(extra.history[-1]["identity_loss"]) and "identity warm-up 2 steps" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert np.isfinite(extra.history[-1]["identity_loss"]) and "identity warm-up 2 steps" in err
+    assert "short-row warm-up 2 steps" in err
     # the two-stage start: the identity stage continues a saved run; a finished run with the same config is reused
     stage = sft.identity_stage(tmp_path / "sft", tmp_path / "sft4", max_steps=3, threads=2)
     assert (stage.init_from, stage.out_dir, stage.hidden_size, stage.max_total_tokens) == \
@@ -660,7 +663,21 @@ def test_action_batch_scores_the_values_of_one_later_tool_call(tokenizer):
                                                                              texts) in some]
     assert {sft.call_name(examples[n]["input_ids"][a:b], texts) for n, a, b, w in kept if not w} == set(some)
     messages = [c for c in kept if c[3]]
-    assert messages and messages == [c for c in sft.action_cuts(examples, call_id, messages=True) if c[3]]
+    every = sft.action_cuts(examples, call_id, messages=True)
+    assert messages and messages == [c for c in every if c[3]]
+    # action_confirmations: only the messages whose next call is one of the tools
+
+    def next_call(cut):
+        n, _, end, _ = cut
+        return sft.call_name(examples[n]["input_ids"][end:], texts)
+
+    confirming = sft._action_cuts(sft.SFTConfig(action_rows=1, action_tools=",".join(some), action_messages=True,
+                                                action_confirmations=True), tokenizer, examples)
+    assert [c for c in confirming if not c[3]] == [c for c in kept if not c[3]]
+    assert [c for c in confirming if c[3]] == [c for c in messages if next_call(c) in some]
+    assert 0 < sum(c[3] for c in confirming) < len(messages)
+    with pytest.raises(sft.ConfigError, match="action_confirmations"):
+        sft.SFTConfig(action_rows=1, action_messages=True, action_confirmations=True).validate()
     for n, start, end, _ in messages:
         ids, mask = examples[n]["input_ids"], examples[n]["loss_mask"].bool()
         assert call_id not in ids[start:end].tolist() and mask[start:end].all() and not mask[end]
@@ -747,6 +764,9 @@ def test_short_action_rows_keep_the_turns_the_cut_turn_reads(tokenizer):
     assert brief["attention_mask"].sum() < long["attention_mask"].sum()
     with pytest.raises(sft.ConfigError, match="short_action_rows"):
         sft.SFTConfig(short_action_rows=-1).validate()
+    with pytest.raises(sft.ConfigError, match="short_warmup_steps"):
+        sft.SFTConfig(short_warmup_steps=1.5).validate()
+    sft.SFTConfig(short_warmup_steps=3, action_tools="modify_user_address").validate()
     sft.SFTConfig(short_action_rows=2, action_messages=True).validate()
 
 
