@@ -218,18 +218,17 @@ def short_context(example: dict[str, torch.Tensor], start: int, end: int, texts:
         bounds = [0] + bounds
     turns = list(zip(bounds, bounds[1:] + [len(ids)]))
     text = [("".join(texts[int(t)] for t in ids[a:b])) for a, b in turns]
+    is_call = [t.startswith(texts[turn_id] + "assistant") and "<tool_call>" in t[:40] for t in text]
     target = next(k for k, (a, b) in enumerate(turns) if a <= start < b)
     # the call whose values decide which tool outputs stay: the turn's own, else the next one
-    call = next((k for k in range(target, len(turns)) if "<tool_call>" in text[k] and ">assistant" in text[k][:24]),
-                target)
+    call = next((k for k in range(target, len(turns)) if is_call[k]), target)
     values = {v for v in re.findall(r'"([^"]+)"', text[call].split('"arguments"', 1)[-1]) if re.search(r"\d", v)}
     keep = []
     for k, (a, b) in enumerate(turns[:target]):
-        head = text[k][:40]
-        if "<tool_response>" in head:
+        if "<tool_response>" in text[k][:40]:
             if any(v in text[k] for v in values):
                 keep.append((a, b))
-        elif not ("assistant" in head and "<tool_call>" in head):
+        elif not is_call[k]:
             keep.append((a, b))
     a = turns[target][0]
     new_ids = torch.cat([ids[x:y] for x, y in keep] + [ids[a:end]])
