@@ -841,7 +841,7 @@ def _prepare(policy: TokenLogprobs, cfg: SFTConfig, tokenizer, data: list[dict[s
     quotes = quote_tokens(tokenizer) if (openings or actions) and cfg.identity_values == "whole" else None
     short = None
     if cfg.short_action_rows or cfg.short_warmup_steps:
-        short = (token_texts(tokenizer), tokenizer.convert_tokens_to_ids("<|im_start|>"))
+        short = (token_texts(tokenizer), tokenizer.convert_tokens_to_ids(models.IM_START))
     if cfg.identity_warmup_steps:
         identity_warmup(policy, cfg, openings, identity_groups, pad, tables, rng, quotes)
     if cfg.short_warmup_steps:
@@ -867,9 +867,10 @@ def _action_cuts(cfg: SFTConfig, tokenizer, data: list[dict[str, torch.Tensor]])
         if tools - called:
             raise ConfigError(f"action_tools: the expert's episodes never call {sorted(tools - called)} after "
                               f"their first call; they call {sorted(c for c in called if c)}")
-        if cfg.action_confirmations:  # a message's name becomes that of the expert's next call
-            names = [call_name(data[n]["input_ids"][end:], texts) if whole else name
-                     for (n, start, end, whole), name in zip(cuts, names)]
+        if cfg.action_confirmations:  # a message's name becomes that of the expert's next call, the next cut
+            for k in range(len(cuts) - 2, -1, -1):  # that is not a message (every call after the first is a cut)
+                if cuts[k][3] and cuts[k + 1][0] == cuts[k][0]:
+                    names[k] = names[k + 1]
         keep = [k for k, (cut, name) in enumerate(zip(cuts, names)) if name in tools or
                 (cut[3] and not cfg.action_confirmations)]
         cuts, names = [cuts[k] for k in keep], [names[k] for k in keep]
