@@ -3,7 +3,7 @@
 #
 # Puts the pieces together: the shipped start policy (a tiny Qwen2 trained from scratch on the retail oracle's episodes, `data/retail-tiny-start/`) is trained with GRPO on the retail store's training tasks, with the paper's sink-aware attention in training and in the rollouts: G sampled episodes per task, group-relative advantages, clipped policy updates and KL to the start, and evaluation on held-out test tasks (mean reward, pass^k). The plot shows the recorded 3-seed curve from `data/reward_curve.csv` (written by `benchmarks/reproduce_curve.py`) beside this run; with `preset="paper-8xh100"` the notebook prints the torchrun command of the paper's 8-GPU run instead of training.
 #
-# Needs: CPU only. Default settings: one seed from the shipped start, at most `max_minutes` = 10 minutes of training plus its evaluations (about 11 minutes on 2 idle cores); with `train_start=True` the start is trained again first (`python -m sinkflex_core.start --lookup-stage --zip-stage --sink-stage`: about four and a half hours on 2 cores, then its measurement); the shipped start comes with its screen of the training tasks, and a start without one (`train_start=True`) is screened first with `screen=True` (every training task played 4 times, about 20 minutes on 2 cores, cached in `runs/start/`). Smoke mode: about a minute (a 2-layer stand-in, 2 steps). With `preset="paper-8xh100"`: seconds (nothing is trained).
+# Needs: CPU only. Default settings: one seed from the shipped start, at most `max_minutes` = 10 minutes of training plus its evaluations (about 11 minutes on 2 idle cores); with `train_start=True` the start is trained again first (`python -m sinkflex_core.start --lookup-stage --zip-stage --sink-stage --address-stage`: about six and a half hours on 2 cores, then its measurement); the shipped start comes with its screen of the training tasks, and a start without one (`train_start=True`) is screened first with `screen=True` (every training task played 4 times, about 20 minutes on 2 cores, cached in `runs/start/`). Smoke mode: about a minute (a 2-layer stand-in, 2 steps). With `preset="paper-8xh100"`: seconds (nothing is trained).
 
 # %% tags=["parameters"]
 smoke = False
@@ -11,7 +11,7 @@ seed = 0
 preset = "tiny-cpu"
 steps = 40
 max_minutes = 10.0
-train_start = False  # True: train the start again (python -m sinkflex_core.start --lookup-stage --zip-stage --sink-stage) instead of loading the shipped one
+train_start = False  # True: train the start again (python -m sinkflex_core.start --lookup-stage --zip-stage --sink-stage --address-stage) instead of loading the shipped one
 screen = False  # True: screen a start that ships no screen (~20 minutes); a shipped screen is always used
 
 # %%
@@ -79,7 +79,7 @@ if preset == "tiny-cpu":
         sft.train_sft(scfg)
     elif train_start:  # the recipe again: finished parts in runs/start are reused
         sft_dir = start.build(work_dir=repo_root() / "runs" / "start", lookup_stage=True, zip_stage=True,
-                              sink_stage=True, screen_samples=4 if screen else 0)
+                              sink_stage=True, address_stage=True, screen_samples=4 if screen else 0)
     else:
         sft_dir = start.start_dir()
     if not smoke:

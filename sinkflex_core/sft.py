@@ -171,6 +171,8 @@ class SFTConfig:
                                                "next expert call is one of action_tools (its confirmation)")
     short_warmup_steps: int = option(0, "optimizer steps on short action rows alone (about batch_tokens a step) "
                                         "before the SFT, as the identity warm-up")
+    short_warmup_rows: int = option(0, "short action rows per step of the short-row warm-up (0: about "
+                                       "batch_tokens a step)")
     identity_values: str = option("first", "what the identity and action rows score of each value of their "
                                            "call: 'first' (its first token) or 'whole' (every token, "
                                            "whole_values)")
@@ -194,7 +196,7 @@ class SFTConfig:
     warmup_steps: int = option(30, "optimizer steps of linear warm-up")
     weight_decay: float = option(0.01, "AdamW weight decay")
     grad_clip: float = option(1.0, "gradient-norm clip")
-    max_steps: int = option(3000, "optimizer steps at most")
+    max_steps: int = option(3000, "optimizer steps at most (0: only the warm-ups, with at least one)")
     max_minutes: float = option(40.0, "minutes at most (> 0)")
     schedule_steps: int = option(0, "length of the cosine decay (0: max_steps)")
     # -- early stopping --
@@ -219,17 +221,26 @@ class SFTConfig:
         """Whether the run draws rows cut at the expert's later turns (:func:`action_cuts`)."""
         return bool(self.action_rows or self.short_action_rows or self.short_warmup_steps)
 
+    def _warmups(self) -> int:
+        """The optimizer steps of the warm-ups this run trains before the SFT's own steps."""
+        copy = 0 if self.init_from else self.copy_warmup_steps
+        return copy + self.recall_warmup_steps + self.identity_warmup_steps + self.short_warmup_steps
+
     def validate(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "max_turns", "max_total_tokens", "copy_warmup_length",
-                     "max_new_tokens_per_turn", "batch_tokens", "max_steps", "eval_every", "eval_samples"):
+                     "max_new_tokens_per_turn", "batch_tokens", "eval_every", "eval_samples"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("train_tasks", "val_tasks", "warmup_steps", "min_steps", "threads", "schedule_steps",
                      "num_heads", "num_kv_heads", "copy_warmup_steps", "opening_copies",
                      "recall_warmup_steps", "identity_warmup_steps", "identity_rows", "action_rows", "short_action_rows",
-                     "short_warmup_steps", "seed"):
+                     "short_warmup_steps", "short_warmup_rows", "max_steps", "seed"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if self.max_steps == 0 and not self._warmups():
+            raise ConfigError("max_steps 0 trains only the warm-ups, and this config has none: set max_steps >= 1 "
+                              "or one of copy_warmup_steps (a new model), recall_warmup_steps, identity_warmup_steps, "
+                              "short_warmup_steps")
         for name in (f.name for f in dataclasses.fields(self) if f.type in (bool, "bool")):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -552,11 +563,13 @@ def short_warmup(policy: TokenLogprobs, cfg: SFTConfig, data: list[dict[str, tor
                  ) -> list[float]:
     """``cfg.short_warmup_steps`` optimizer steps on short action rows alone (:func:`action_batch` with
     ``short``, :func:`short_context`), as :func:`identity_warmup` (about ``cfg.batch_tokens`` real tokens
-    per step, the rows' mean length taken from up to 256 cuts spread over ``cuts``). Returns the loss of
-    every step."""
-    sample = cuts[::max(1, len(cuts) // 256)]
-    mean = np.mean([len(short_context(data[n], a, b, *short)["input_ids"]) for n, a, b, _ in sample])
-    rows = max(1, round(cfg.batch_tokens / mean))
+    per step, the rows' mean length taken from up to 256 cuts spread over ``cuts``; ``cfg.short_warmup_rows``
+    rows a step where it is set). Returns the loss of every step."""
+    rows = cfg.short_warmup_rows
+    if not rows:
+        sample = cuts[::max(1, len(cuts) // 256)]
+        mean = np.mean([len(short_context(data[n], a, b, *short)["input_ids"]) for n, a, b, _ in sample])
+        rows = max(1, round(cfg.batch_tokens / mean))
     return drill_warmup(policy, cfg, cfg.short_warmup_steps, "short-row warm-up",
                         lambda *_: action_batch(data, cuts, rows, rng, pad_id, value_tables, groups, quotes,
                                                 short=short))
@@ -657,7 +670,8 @@ def train_sft(cfg: SFTConfig, save: bool = True) -> SFTResult:
         if Path(cfg.init_from or "").resolve() != out_dir.resolve():
             (out_dir / SINKS_FILENAME).unlink(missing_ok=True)
     kit = _prepare(policy, cfg, tokenizer, data, openings, val_ids, rng)
-    progress = _train_loop(policy, cfg, kit, rng, out_dir)
+    # max_steps 0: the warm-ups alone, kept as they end (no evaluation, an empty history)
+    progress = _train_loop(policy, cfg, kit, rng, out_dir) if cfg.max_steps else _Progress(t0=time.perf_counter())
     model = policy.lm
     if cfg.keep_best and progress.best_state is not None:
         model.load_state_dict(progress.best_state)
@@ -1079,9 +1093,12 @@ def train_or_reuse(cfg: SFTConfig) -> Path:
             return out
     print(f"SFT: training -> {out}", file=sys.stderr, flush=True)
     result = train_sft(cfg)
-    last = result.history[-1]
-    print(f"SFT: {result.steps} steps, {last['elapsed_s'] / 60:.1f} min, validation reward {last['val_reward']:.3f}",
-          file=sys.stderr, flush=True)
+    if result.history:
+        last = result.history[-1]
+        print(f"SFT: {result.steps} steps, {last['elapsed_s'] / 60:.1f} min, validation reward "
+              f"{last['val_reward']:.3f}", file=sys.stderr, flush=True)
+    else:
+        print(f"SFT: the warm-ups alone (max_steps 0) -> {out}", file=sys.stderr, flush=True)
     return out
 
 
@@ -1101,10 +1118,15 @@ def _same_inputs(cfg: SFTConfig, out: Path) -> bool:
     return True
 
 
+#: The columns of ``sft_history.csv`` (one row per evaluation; with identity rows, ``identity_loss`` too).
+HISTORY_COLUMNS = ("step", "epoch", "loss", "lr", "val_reward", "val_success", "val_turns", "elapsed_s", "best")
+
+
 def _write_history(path: Path, rows: list[dict]) -> None:
+    """``rows`` as CSV; no rows (a run of warm-ups alone): the header of :data:`HISTORY_COLUMNS`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else list(HISTORY_COLUMNS))
         w.writeheader()
         w.writerows(rows)
 

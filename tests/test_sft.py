@@ -1066,3 +1066,43 @@ def test_bf16_is_an_option_of_the_sft_command_line_off_by_default():
     train.add_config_arguments(p, sft.SFTConfig, keep_defaults=True)
     assert sft.SFTConfig().bf16 is False and p.parse_args([]).bf16 is False
     assert p.parse_args(["--bf16"]).bf16 is True and p.parse_args(["--no-bf16"]).bf16 is False
+
+
+def test_a_run_of_the_warm_ups_alone_trains_the_short_rows_it_asks_for_and_evaluates_nothing(tmp_path, monkeypatch):
+    """``max_steps`` 0 (the address stage's drill): the short-row warm-up with ``short_warmup_rows`` rows a
+    step, its weights saved as they end, an empty history; a config that would train nothing is refused."""
+    small = {**SMALL, "train_tasks": 4, "max_total_tokens": 512, "max_turns": 3, "max_new_tokens_per_turn": 16,
+             "copy_warmup_steps": 1, "stop_at_reward": 0.0, "max_steps": 1, "eval_every": 1}
+    base = sft.train_or_reuse(sft.SFTConfig(**{**small, "out_dir": str(tmp_path / "base")}))
+    rows = []
+    real_batch = sft.action_batch
+
+    def counted(data, cuts, n, *args, **kwargs):
+        rows.append((n, kwargs.get("short") is not None))
+        return real_batch(data, cuts, n, *args, **kwargs)
+
+    def no_evaluation(*args, **kwargs):
+        raise AssertionError("a run of warm-ups alone plays no validation episode")
+
+    monkeypatch.setattr(sft, "action_batch", counted)
+    monkeypatch.setattr(sft, "evaluate_policy", no_evaluation)
+    drill = sft.SFTConfig(**{**small, "init_from": str(base), "out_dir": str(tmp_path / "drill"), "max_steps": 0,
+                             "short_warmup_steps": 3, "short_warmup_rows": 5})
+    out = sft.train_or_reuse(drill)
+    assert rows == [(5, True)] * 3
+    assert train.policy_digest(out) != train.policy_digest(base)
+    history = (out / "sft_history.csv").read_text().splitlines()
+    assert history == [",".join(sft.HISTORY_COLUMNS)]
+    assert sft.saved_config(out)["max_steps"] == 0 and sft.saved_config(out)["short_warmup_rows"] == 5
+    # without short_warmup_rows the rows follow batch_tokens, as before
+    rows.clear()
+    sft.train_sft(sft.SFTConfig(**{**drill.__dict__, "short_warmup_rows": 0, "short_warmup_steps": 1,
+                                   "batch_tokens": 4096, "out_dir": str(tmp_path / "drill2")}))
+    assert len(rows) == 1 and rows[0][0] not in (0, 5)
+    with pytest.raises(sft.ConfigError, match="max_steps 0 trains only the warm-ups"):
+        sft.SFTConfig(**{**small, "init_from": str(base), "max_steps": 0}).validate()
+    with pytest.raises(sft.ConfigError, match="max_steps must be an integer >= 0"):
+        sft.SFTConfig(max_steps=-1).validate()
+    with pytest.raises(sft.ConfigError, match="short_warmup_rows"):
+        sft.SFTConfig(short_warmup_rows=-2).validate()
+    sft.SFTConfig(max_steps=0).validate()  # a new model: the copy warm-up alone

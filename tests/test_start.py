@@ -152,6 +152,56 @@ def test_the_zip_stage_drills_then_runs_its_rounds_on_the_lookup_rounds(tmp_path
         assert c.identity_rows == sft.LOOKUP_STAGE["identity_rows"] and c.swap_digit_pairs
 
 
+def test_the_address_stage_drills_then_runs_its_rounds_on_the_sink_stage_with_its_counts(tmp_path, trained_stages,
+                                                                                        monkeypatch):
+    from pathlib import Path
+
+    def estimate(folder):  # the full-attention stage's counts, as estimate_sinks saves them
+        (Path(folder) / A.SINKS_FILENAME).write_text('{"n_sink": [4, 5]}')
+
+    monkeypatch.setattr(start, "estimate_sinks", estimate)
+    trained = trained_stages
+    start.build(tmp_path / "start", tmp_path / "work", threads=1, progress=False, sink_stage=True, address_stage=True)
+    names = [Path(c.out_dir).name for c in trained]
+    assert names == ["sft", "sft_sink", "sft_address_drill", "sft_address1", "sft_address2"]
+    assert all(b.init_from == a.out_dir for a, b in zip(trained, trained[1:]))
+    runs = trained[2:]
+    assert [(c.short_warmup_steps, c.max_steps) for c in runs] == list(start.ADDRESS_RUNS)
+    assert [c.eval_every for c in runs] == [1, 600, 600]  # one evaluation a round, at its end
+    for before, c in zip(trained[1:], runs):
+        # the preset's sink attention on the counts the sink stage trained with, copied into every run
+        assert c.attention == "sinkflex" and c.layer_sinks == str(Path(before.out_dir) / A.SINKS_FILENAME)
+        assert (Path(c.out_dir) / A.SINKS_FILENAME).read_text() == '{"n_sink": [4, 5]}'
+        assert all(getattr(c, k) == v for k, v in start.ADDRESS_ROWS.items())
+        assert c.recall_warmup_steps == c.identity_warmup_steps == 0 and (c.threads, c.progress) == (1, False)
+    # the card's command names the flag of each stage, the address stage's last
+    assert start.recipe_flags([(f"stage{n}_{name}", {}, None) for n, name in enumerate(names, 1)]) == \
+        ["--sink-stage", "--address-stage"]
+
+
+def test_the_card_counts_a_drill_of_short_rows_and_a_stage_without_evaluation(tmp_path):
+    import json
+    import shutil
+
+    from sinkflex_core import sft
+
+    folder = tmp_path / "start"
+    shutil.copytree(SHIPPED, folder)
+    recipe = folder / "recipe"
+    last = max(int(f.name[len("stage"):].partition("_")[0]) for f in recipe.glob("stage*_config.json"))
+    cfg = {**json.loads(next(recipe.glob("stage1_*_config.json")).read_text()), "init_from": "runs/start/sft_sink",
+           "short_warmup_steps": 1500, "short_warmup_rows": 12, "max_steps": 0, "lr": 0.001,
+           "action_tools": start.ADDRESS_ROWS["action_tools"]}
+    label = f"stage{last + 1}_sft_address_drill"
+    (recipe / f"{label}_config.json").write_text(json.dumps(cfg))
+    (recipe / f"{label}_history.csv").write_text(",".join(sft.HISTORY_COLUMNS) + "\n")
+    card = start.card_text(folder)
+    assert (f"- `{label}`: 1,500 drill steps of 12 short rows cut at the calls of modify_pending_order_address, "
+            "modify_user_address, then no SFT step, lr 0.001; the weights at the end of the drill kept (no "
+            "evaluation).") in card
+    assert "besides the drills' short rows" in card and "--address-stage\n" in card
+
+
 @pytest.fixture(scope="module")
 def random_start(tmp_path_factory):
     """A random tiny policy saved as a start folder would be (no SFT: the measurement is under test)."""
