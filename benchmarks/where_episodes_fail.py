@@ -3,14 +3,17 @@
 1. **Sampled:** ``--samples`` episodes of each chosen test task, played with the rollout settings of the
    tiny-cpu preset (``--temperature``, default 1, as its evaluations), and for each failed episode the
    first tool call that differs from the oracle's on the same task: a message where the oracle calls a
-   tool, a call the environment cannot read (no closing tag, broken JSON), another tool, or a wrong
+   tool, a call the environment cannot read (no closing tag, broken JSON), another tool (named), or a wrong
    value (which arguments). The scripted customer answers the same way to the same calls, so the first
    difference is where the episode left the oracle's path.
 2. **Teacher-forced:** the oracle's episodes of the same tasks fed to the policy, and for every value of
    every tool-call argument the oracle writes, whether the policy's most likely token is right at the
    value's first token (which value) and at all of its other tokens (copying it through), by argument.
    ``copy`` values appeared earlier in the episode (the customer's sentence, a tool's record); ``new``
-   ones did not (mostly tool names).
+   ones did not (mostly tool names). The item ids the oracle names in its confirmation before an item
+   call ("I will return items 2552978718 of order ...") are rows of their own (``items (message)``, ``new
+   items (message)``): that is where the item the customer described is looked up in the order's record;
+   the call after it copies the ids from the confirmation.
 
     python benchmarks/where_episodes_fail.py --policy data/retail-tiny-start                   # 120 x 4, ~5 min
     python benchmarks/where_episodes_fail.py --policy DIR --kinds "read only,cancel_pending_order"
@@ -104,7 +107,7 @@ def first_difference(messages: list[dict], oracle: list[tuple[str, dict]]) -> st
         if got is None:
             return f"{where}: unreadable, off at {_first_wrong_part(text, name, arguments)}"
         if got != name:
-            return f"{where}: another tool"
+            return f"{where}: another tool ({got})"
         wrong = [k for k in arguments if args.get(k) != arguments[k]] + sorted(set(args) - set(arguments))
         if wrong:
             return f"{where}: wrong {','.join(wrong)}"
@@ -138,12 +141,18 @@ def sampled_failures(policy, tokenizer, tasks: list[int], samples: int, temperat
     return counts
 
 
+#: The item ids of the oracle's confirmations before an item call (``sinkflex_core.envs.oracle``): the
+#: items kept or returned, then, for an exchange or a change of items, the items they become.
+CONFIRMED_ITEMS = re.compile(r"I will (?:return|exchange|change) items ([\d, ]+?)(?: for ([\d, ]+?))? (?:of|in) order")
+
+
 def value_accuracy(model, tokenizer, examples: list[dict[str, torch.Tensor]]) -> list[dict]:
     """Teacher-forced accuracy on the values of the oracle's tool calls in ``examples`` (from
     :func:`sinkflex_core.sft.expert_examples`): one row per argument and origin (``copy``: the value's
     text appeared earlier in the episode; ``new``: it did not) with ``values``, ``first`` (share whose
     first token is the most likely one), ``rest`` (share whose other tokens all are, given the right
-    ones before) and ``whole`` (both)."""
+    ones before) and ``whole`` (both); the item ids of the oracle's confirmations (:data:`CONFIRMED_ITEMS`)
+    as the arguments ``items (message)`` and ``new items (message)``."""
     from sinkflex_core.sft_data import token_texts, value_start_mask, value_start_tokens
 
     texts = token_texts(tokenizer)
@@ -156,6 +165,7 @@ def value_accuracy(model, tokenizer, examples: list[dict[str, torch.Tensor]]) ->
             ids = e["input_ids"]
             with torch.no_grad():
                 pred = model(input_ids=ids[None]).logits[0].argmax(-1)
+            found = []  # (argument, origin, whether each token of the value was the most likely one)
             for start in value_start_mask(ids[None], e["loss_mask"][None], *tables)[0].nonzero().flatten().tolist():
                 end = start  # the value runs up to the token that holds its closing quote
                 while end < len(ids) and '"' not in texts[int(ids[end])]:
@@ -167,10 +177,11 @@ def value_accuracy(model, tokenizer, examples: list[dict[str, torch.Tensor]]) ->
                 if not span:
                     continue
                 value = "".join(texts[int(t)] for t in ids[start:end]) + tail
-                keys = re.findall(r'(\w+)":', "".join(texts[int(t)] for t in ids[max(0, start - 6):start]))
+                keys = re.findall(r'(\w+)":', "".join(texts[int(t)] for t in ids[max(0, start - 16):start]))
                 origin = "copy" if value and value in "".join(texts[int(t)] for t in ids[:start - 1]) else "new"
-                hits = [int(pred[p - 1]) == int(ids[p]) for p in span]
-                row = stats[(keys[-1] if keys else "name", origin)]
+                found.append((keys[-1] if keys else "name", origin, [int(pred[p - 1]) == int(ids[p]) for p in span]))
+            for key, origin, hits in found + list(_confirmed_items(ids, e["loss_mask"], pred, texts)):
+                row = stats[(key, origin)]
                 row[0] += 1
                 row[1] += hits[0]
                 row[2] += all(hits[1:])
@@ -179,6 +190,29 @@ def value_accuracy(model, tokenizer, examples: list[dict[str, torch.Tensor]]) ->
         model.train(was_training)
     return [{"argument": key, "origin": origin, "values": n, "first": f / n, "rest": r / n, "whole": w / n}
             for (key, origin), (n, f, r, w) in sorted(stats.items())]
+
+
+def _confirmed_items(ids: torch.Tensor, loss_mask: torch.Tensor, pred: torch.Tensor, texts: list[str]):
+    """Each item id of the oracle's confirmations in one episode (:data:`CONFIRMED_ITEMS`, the expert's
+    tokens only): ``(argument, origin, hits)``, ``hits`` whether the most likely token was right at each of
+    the id's tokens (a token that holds the id's first digit opens it)."""
+    starts, text = [], ""
+    for t in ids.tolist():
+        starts.append(len(text))
+        text += texts[t]
+    for match in CONFIRMED_ITEMS.finditer(text):
+        for group, key in ((1, "items (message)"), (2, "new items (message)")):
+            if match.group(group) is None:
+                continue
+            at = match.start(group)
+            for value in match.group(group).split(", "):
+                first = max(n for n, c in enumerate(starts) if c <= at)
+                span = [n for n in range(first, len(ids)) if starts[n] < at + len(value)]
+                at += len(value) + 2
+                if first == 0 or not bool(loss_mask[first]):
+                    continue
+                origin = "copy" if value in text[:starts[first]] else "new"
+                yield key, origin, [int(pred[n - 1]) == int(ids[n]) for n in span]
 
 
 def main(argv: list[str] | None = None) -> int:

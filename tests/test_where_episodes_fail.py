@@ -11,6 +11,7 @@ from sinkflex_core import sft
 from sinkflex_core.envs.base import format_tool_call
 from sinkflex_core.envs.oracle import expert_conversation
 from sinkflex_core.models import build_model, get_tokenizer, tiny_qwen2_config
+from sinkflex_core.sft_data import token_texts
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def test_the_first_difference_names_the_call_and_the_value(script):
         "every call right (answer, extra calls or the end)": [greeting, _turn(calls=[right]), _turn(calls=[oracle[1]])],
         "call 1 (get_user_details): wrong user_id": [greeting, _turn(calls=[right]), _turn(calls=[wrong_id])],
         "call 1 (get_user_details): never made": [greeting, _turn(calls=[right]), _turn("Your order is pending.")],
-        "call 0 (find_user_id_by_email): another tool": [_turn(calls=[oracle[1]])],
+        "call 0 (find_user_id_by_email): another tool (get_user_details)": [_turn(calls=[oracle[1]])],
         # a call written in the text, as read by the environment's parser, counts like a recorded one
         "call 0 (find_user_id_by_email): wrong email,zip": [_turn(format_tool_call(
             "find_user_id_by_email", {"email": "mei.patel4567@example.org", "zip": "1"}))],
@@ -80,6 +81,43 @@ def test_value_accuracy_is_perfect_for_a_model_that_knows_the_next_token(script,
     guessed = script.value_accuracy(random, tokenizer, examples)
     assert [(r["argument"], r["values"]) for r in guessed] == [(r["argument"], r["values"]) for r in rows]
     assert sum(r["whole"] for r in guessed) < 0.5 * len(guessed)  # random weights copy (almost) nothing
+
+
+def test_the_item_ids_of_the_oracles_confirmations_are_rows_of_their_own(script, tokenizer):
+    from sinkflex_core.train import task_kinds
+
+    kinds = task_kinds("test", list(range(120)))
+    tasks = [next(t for t, k in enumerate(kinds) if k == kind)
+             for kind in ("return_delivered_order_items", "exchange_delivered_order_items", "modify_pending_order_items")]
+    examples = sft.expert_examples(tokenizer, sft.SFTConfig(), tasks, split="test")
+
+    class Oracle(torch.nn.Module):  # predicts every next token of its input, or only those outside ``wrong``
+        wrong: set = set()
+
+        def forward(self, input_ids, **kw):
+            target = torch.roll(input_ids, -1, 1)
+            for n in self.wrong:  # the token before a wrong one predicts another token
+                target[0, n - 1] = (target[0, n - 1] + 1) % len(tokenizer)
+            return type("Out", (), {"logits": torch.nn.functional.one_hot(target, len(tokenizer)).float()})()
+
+    rows = {(r["argument"], r["origin"]): r for r in script.value_accuracy(Oracle(), tokenizer, examples)}
+    # every item id the calls name, each once in the confirmation before them; the new items of the
+    # exchange and of the change of items too (the calls' rows count the first id of each list)
+    calls = [args for t in tasks for _, args in script.oracle_calls(expert_conversation("sinkflex/Retail-v0", "test", t)[0])]
+    assert rows[("items (message)", "copy")]["values"] == sum(len(a.get("item_ids", [])) for a in calls) == 5
+    assert sum(r["values"] for (arg, _), r in rows.items() if arg == "new items (message)") == \
+        sum(len(a.get("new_item_ids", [])) for a in calls) == 3
+    assert all(r["whole"] == 1.0 for r in rows.values())
+    # wrong at the first token of the confirmation's first item id: only that row's first token drops
+    texts = token_texts(tokenizer)
+    ids = examples[0]["input_ids"]
+    text = "".join(texts[int(t)] for t in ids)
+    at = script.CONFIRMED_ITEMS.search(text).start(1)
+    first = max(n for n in range(len(ids)) if len("".join(texts[int(t)] for t in ids[:n])) <= at)
+    Oracle.wrong = {first}
+    wrong = {(r["argument"], r["origin"]): r for r in script.value_accuracy(Oracle(), tokenizer, examples[:1])}
+    for key, r in wrong.items():
+        assert (r["first"] < 1.0) == (key == ("items (message)", "copy")), key
 
 
 def test_command_line(script, tokenizer, tmp_path, capsys):
