@@ -13,7 +13,9 @@
    ones did not (mostly tool names). The item ids the oracle names in its confirmation before an item
    call ("I will return items 2552978718 of order ...") are rows of their own (``items (message)``, ``new
    items (message)``): that is where the item the customer described is looked up in the order's record;
-   the call after it copies the ids from the confirmation.
+   the call after it copies the ids from the confirmation. Their origin says whether the id is the first
+   item of the record it is read from (``first listed``) or another (``listed later``): a policy that has
+   learned to copy the first item id, not to look the described one up, gets only the first.
 
     python benchmarks/where_episodes_fail.py --policy data/retail-tiny-start                   # 120 x 4, ~5 min
     python benchmarks/where_episodes_fail.py --policy DIR --kinds "read only,cancel_pending_order"
@@ -26,6 +28,7 @@ which values the policy cannot look up at all.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import functools
 import json
@@ -152,7 +155,8 @@ def value_accuracy(model, tokenizer, examples: list[dict[str, torch.Tensor]]) ->
     text appeared earlier in the episode; ``new``: it did not) with ``values``, ``first`` (share whose
     first token is the most likely one), ``rest`` (share whose other tokens all are, given the right
     ones before) and ``whole`` (both); the item ids of the oracle's confirmations (:data:`CONFIRMED_ITEMS`)
-    as the arguments ``items (message)`` and ``new items (message)``."""
+    as the arguments ``items (message)`` and ``new items (message)``, their origin ``first listed``,
+    ``listed later`` or ``new`` (:func:`_confirmed_items`)."""
     from sinkflex_core.sft_data import token_texts, value_start_mask, value_start_tokens
 
     texts = token_texts(tokenizer)
@@ -195,7 +199,10 @@ def value_accuracy(model, tokenizer, examples: list[dict[str, torch.Tensor]]) ->
 def _confirmed_items(ids: torch.Tensor, loss_mask: torch.Tensor, pred: torch.Tensor, texts: list[str]):
     """Each item id of the oracle's confirmations in one episode (:data:`CONFIRMED_ITEMS`, the expert's
     tokens only): ``(argument, origin, hits)``, ``hits`` whether the most likely token was right at each of
-    the id's tokens (a token that holds the id's first digit opens it)."""
+    the id's tokens (a token that holds the id's first digit opens it). ``origin`` says where the id was
+    read: ``first listed`` when it is the first item id of the last tool output that names it (an order's
+    record, a product's variants), ``listed later`` when another item comes before it there (a policy
+    that copies the record's first item id gets only the first), ``new`` when no tool output named it."""
     starts, text = [], ""
     for t in ids.tolist():
         starts.append(len(text))
@@ -206,13 +213,22 @@ def _confirmed_items(ids: torch.Tensor, loss_mask: torch.Tensor, pred: torch.Ten
                 continue
             at = match.start(group)
             for value in match.group(group).split(", "):
-                first = max(n for n, c in enumerate(starts) if c <= at)
-                span = [n for n in range(first, len(ids)) if starts[n] < at + len(value)]
+                first = bisect.bisect_right(starts, at) - 1
+                span = range(first, bisect.bisect_left(starts, at + len(value)))
                 at += len(value) + 2
                 if first == 0 or not bool(loss_mask[first]):
                     continue
-                origin = "copy" if value in text[:starts[first]] else "new"
-                yield key, origin, [int(pred[n - 1]) == int(ids[n]) for n in span]
+                yield key, _listed(text[:starts[first]], value), [int(pred[n - 1]) == int(ids[n]) for n in span]
+
+
+def _listed(before: str, value: str) -> str:
+    """Where the item id ``value`` stands in the last tool output of ``before`` that names it (see
+    :func:`_confirmed_items`)."""
+    for output in reversed(re.findall(r"<tool_response>(.*?)</tool_response>", before, re.S)):
+        listed = re.findall(r'"item_id":\s*"(\d+)"', output)
+        if value in listed:
+            return "first listed" if listed[0] == value else "listed later"
+    return "new"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,9 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = value_accuracy(policy, tokenizer, examples)
     print(f"teacher-forced, the oracle's episodes of the same {len(tasks)} tasks "
           "(first token / the rest / whole value right):")
-    print(f"  {'argument':<20} {'origin':<6} {'values':>6} {'first':>6} {'rest':>6} {'whole':>6}")
+    print(f"  {'argument':<20} {'origin':<12} {'values':>6} {'first':>6} {'rest':>6} {'whole':>6}")
     for r in rows:
-        print(f"  {r['argument']:<20} {r['origin']:<6} {r['values']:>6} {r['first']:>6.2f} {r['rest']:>6.2f} "
+        print(f"  {r['argument']:<20} {r['origin']:<12} {r['values']:>6} {r['first']:>6.2f} {r['rest']:>6.2f} "
               f"{r['whole']:>6.2f}")
     print(f"({(time.perf_counter() - t0) / 60:.1f} min)", file=sys.stderr)
     return 0

@@ -104,7 +104,8 @@ def test_the_item_ids_of_the_oracles_confirmations_are_rows_of_their_own(script,
     # every item id the calls name, each once in the confirmation before them; the new items of the
     # exchange and of the change of items too (the calls' rows count the first id of each list)
     calls = [args for t in tasks for _, args in script.oracle_calls(expert_conversation("sinkflex/Retail-v0", "test", t)[0])]
-    assert rows[("items (message)", "copy")]["values"] == sum(len(a.get("item_ids", [])) for a in calls) == 5
+    assert sum(r["values"] for (arg, _), r in rows.items() if arg == "items (message)") == \
+        sum(len(a.get("item_ids", [])) for a in calls) == 5
     assert sum(r["values"] for (arg, _), r in rows.items() if arg == "new items (message)") == \
         sum(len(a.get("new_item_ids", [])) for a in calls) == 3
     assert all(r["whole"] == 1.0 for r in rows.values())
@@ -113,11 +114,27 @@ def test_the_item_ids_of_the_oracles_confirmations_are_rows_of_their_own(script,
     ids = examples[0]["input_ids"]
     text = "".join(texts[int(t)] for t in ids)
     at = script.CONFIRMED_ITEMS.search(text).start(1)
-    first = max(n for n in range(len(ids)) if len("".join(texts[int(t)] for t in ids[:n])) <= at)
+    offsets = [0]
+    for t in ids.tolist():
+        offsets.append(offsets[-1] + len(texts[t]))
+    first = max(n for n, c in enumerate(offsets[:-1]) if c <= at)
     Oracle.wrong = {first}
     wrong = {(r["argument"], r["origin"]): r for r in script.value_accuracy(Oracle(), tokenizer, examples[:1])}
+    origin = script._listed(text[:offsets[first]], script.CONFIRMED_ITEMS.search(text).group(1).split(", ")[0])
+    assert origin in ("first listed", "listed later")
     for key, r in wrong.items():
-        assert (r["first"] < 1.0) == (key == ("items (message)", "copy")), key
+        assert (r["first"] < 1.0) == (key == ("items (message)", origin)), key
+
+
+def test_a_confirmed_item_is_placed_in_the_last_record_that_lists_it(script):
+    record = '<tool_response>\n{"items":[{"name":"Lamp","item_id":"111"},{"name":"Kettle","item_id":"222"}]}\n</tool_response>'
+    variants = '<tool_response>\n{"variants":{"333":{"item_id":"333"},"111":{"item_id":"111"}}}\n</tool_response>'
+    assert script._listed(record, "111") == "first listed"
+    assert script._listed(record, "222") == "listed later"
+    assert script._listed(record + variants, "111") == "listed later"  # the last output that names it
+    assert script._listed(record + variants, "222") == "listed later"
+    assert script._listed(record, "444") == "new"
+    assert script._listed('{"item_id":"444"} outside any tool output', "444") == "new"
 
 
 def test_command_line(script, tokenizer, tmp_path, capsys):
