@@ -385,7 +385,10 @@ def sft_loss(policy: TokenLogprobs, batch: dict[str, torch.Tensor],
 
     Expert tokens weigh 1, the other real tokens of the episode ``context_weight`` (padding and each
     row's first token, which has no prefix, weigh 0); where ``batch`` has a ``value_mask``
-    (:func:`value_start_mask`), those expert tokens weigh ``value_weight``."""
+    (:func:`value_start_mask`), those expert tokens weigh ``value_weight``. Rows marked in ``copy_rows``
+    (the drills, and every row of :func:`action_batch` and :func:`identity_batch`, whose loss masks
+    already hold only the values) are weighed by their loss mask alone: neither ``context_weight`` nor
+    ``value_weight`` applies to them."""
     dev = getattr(getattr(policy, "lm", None), "device", None)  # None: a stand-in policy of the tests
     if dev is not None and batch["input_ids"].device != dev:  # the batches are made on the CPU
         batch = {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}

@@ -211,6 +211,11 @@ def test_value_start_mask_marks_the_first_token_of_each_tool_call_argument_and_w
         torch.testing.assert_close(got, -(logp * weights).sum() / weights.sum())
         torch.testing.assert_close(sft.sft_loss(policy, batch, 0.5, 1.0)[0], sft.sft_loss(
             policy, {k: v for k, v in batch.items() if k != "value_mask"}, 0.5)[0])
+        # a row marked as a copy row is weighed by its loss mask alone: no context or value weight
+        copy = {**batch, "copy_rows": torch.ones(1, dtype=torch.bool)}
+        plain = batch["loss_mask"].clone()
+        plain[:, 0] = 0
+        torch.testing.assert_close(sft.sft_loss(policy, copy, 0.5, 8.0)[0], -(logp * plain).sum() / plain.sum())
     with pytest.raises(train.ConfigError, match="value_loss_weight"):
         sft.SFTConfig(value_loss_weight=float("nan")).validate()
 
