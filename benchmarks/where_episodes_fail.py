@@ -169,6 +169,10 @@ def value_accuracy(model, tokenizer, examples: list[dict[str, torch.Tensor]]) ->
             ids = e["input_ids"]
             with torch.no_grad():
                 pred = model(input_ids=ids[None]).logits[0].argmax(-1)
+            starts, text = [], ""  # each token's offset in the episode's text
+            for t in ids.tolist():
+                starts.append(len(text))
+                text += texts[t]
             found = []  # (argument, origin, whether each token of the value was the most likely one)
             for start in value_start_mask(ids[None], e["loss_mask"][None], *tables)[0].nonzero().flatten().tolist():
                 end = start  # the value runs up to the token that holds its closing quote
@@ -180,11 +184,11 @@ def value_accuracy(model, tokenizer, examples: list[dict[str, torch.Tensor]]) ->
                 span = range(start, end + 1 if tail else end)
                 if not span:
                     continue
-                value = "".join(texts[int(t)] for t in ids[start:end]) + tail
-                keys = re.findall(r'(\w+)":', "".join(texts[int(t)] for t in ids[max(0, start - 16):start]))
-                origin = "copy" if value and value in "".join(texts[int(t)] for t in ids[:start - 1]) else "new"
+                value = text[starts[start]:starts[end]] + tail
+                keys = re.findall(r'(\w+)":', text[starts[max(0, start - 16)]:starts[start]])
+                origin = "copy" if value and value in text[:starts[start - 1]] else "new"
                 found.append((keys[-1] if keys else "name", origin, [int(pred[p - 1]) == int(ids[p]) for p in span]))
-            for key, origin, hits in found + list(_confirmed_items(ids, e["loss_mask"], pred, texts)):
+            for key, origin, hits in found + list(_confirmed_items(ids, e["loss_mask"], pred, text, starts)):
                 row = stats[(key, origin)]
                 row[0] += 1
                 row[1] += hits[0]
@@ -196,17 +200,14 @@ def value_accuracy(model, tokenizer, examples: list[dict[str, torch.Tensor]]) ->
             for (key, origin), (n, f, r, w) in sorted(stats.items())]
 
 
-def _confirmed_items(ids: torch.Tensor, loss_mask: torch.Tensor, pred: torch.Tensor, texts: list[str]):
+def _confirmed_items(ids: torch.Tensor, loss_mask: torch.Tensor, pred: torch.Tensor, text: str, starts: list[int]):
     """Each item id of the oracle's confirmations in one episode (:data:`CONFIRMED_ITEMS`, the expert's
     tokens only): ``(argument, origin, hits)``, ``hits`` whether the most likely token was right at each of
     the id's tokens (a token that holds the id's first digit opens it). ``origin`` says where the id was
     read: ``first listed`` when it is the first item id of the last tool output that names it (an order's
     record, a product's variants), ``listed later`` when another item comes before it there (a policy
-    that copies the record's first item id gets only the first), ``new`` when no tool output named it."""
-    starts, text = [], ""
-    for t in ids.tolist():
-        starts.append(len(text))
-        text += texts[t]
+    that copies the record's first item id gets only the first), ``new`` when no tool output named it.
+    ``text`` is the episode's text and ``starts`` each token's offset in it."""
     for match in CONFIRMED_ITEMS.finditer(text):
         for group, key in ((1, "items (message)"), (2, "new items (message)")):
             if match.group(group) is None:

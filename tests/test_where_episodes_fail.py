@@ -113,14 +113,15 @@ def test_the_item_ids_of_the_oracles_confirmations_are_rows_of_their_own(script,
     texts = token_texts(tokenizer)
     ids = examples[0]["input_ids"]
     text = "".join(texts[int(t)] for t in ids)
-    at = script.CONFIRMED_ITEMS.search(text).start(1)
+    confirmed = script.CONFIRMED_ITEMS.search(text)
+    at = confirmed.start(1)
     offsets = [0]
     for t in ids.tolist():
         offsets.append(offsets[-1] + len(texts[t]))
     first = max(n for n, c in enumerate(offsets[:-1]) if c <= at)
     Oracle.wrong = {first}
     wrong = {(r["argument"], r["origin"]): r for r in script.value_accuracy(Oracle(), tokenizer, examples[:1])}
-    origin = script._listed(text[:offsets[first]], script.CONFIRMED_ITEMS.search(text).group(1).split(", ")[0])
+    origin = script._listed(text[:offsets[first]], confirmed.group(1).split(", ")[0])
     assert origin in ("first listed", "listed later")
     for key, r in wrong.items():
         assert (r["first"] < 1.0) == (key == ("items (message)", origin)), key
