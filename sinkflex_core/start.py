@@ -462,7 +462,13 @@ def card_text(out: Path) -> str:
               "measures the start again where its files were made under an earlier reward version, then "
               "rewrites the card.", "",
               "## Use", "", "```python", "from sinkflex_core import models, start",
-              "policy = models.load_policy(start.start_dir())", "```", "",
+              "policy = models.load_policy(start.start_dir())",
+              "tokenizer = models.load_tokenizer(start.start_dir())", "```", "",
+              "Load the tokenizer with `models.load_tokenizer`, not `AutoTokenizer.from_pretrained`: for a "
+              "folder whose `config.json` says `qwen2`, transformers 5 builds a `Qwen2Tokenizer` with its "
+              "own pre-tokenizer, which splits numbers into single digits where this folder's "
+              "`tokenizer.json` keeps groups of three, so the policy would be fed tokens it never saw "
+              "(`models.load_tokenizer` loads `tokenizer.json` as saved when the two differ).", "",
               "GRPO from it: `sinkflex train --model data/retail-tiny-start` (preset `tiny-cpu`, which plays "
               "it with the sink attention above) or `python benchmarks/reproduce_curve.py`.", ""]
     return "\n".join(lines)
