@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k:>3} {pass_at_k(pairs, k):>7.3f} {pass_hat_k(pairs, k):>7.3f}")
         k *= 2
     by_kind = table.assign(solved=table["successes"] > 0).groupby("kind").agg(
-        tasks=("task", "size"), solved_once=("solved", "sum"), mean_reward=("successes", "sum"))
-    by_kind["mean_reward"] /= by_kind["tasks"] * args.samples
+        tasks=("task", "size"), solved_once=("solved", "sum"), success_rate=("successes", "sum"))
+    by_kind["success_rate"] /= by_kind["tasks"] * args.samples  # episodes solved, not mean reward
     print(f"\nTasks solved at least once in {args.samples} tries, by the task's write actions:")
     print(by_kind.sort_values("tasks", ascending=False).round(3).to_string())
     if args.out:
