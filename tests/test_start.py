@@ -69,7 +69,8 @@ def test_the_cards_use_snippet_loads_the_policy_with_the_tokenizer_it_was_traine
     text = "return item 1234567890 of order #W0012345"
     saved = Tokenizer.from_file(str(SHIPPED / "tokenizer.json")).encode(text, add_special_tokens=False).ids
     assert scope["tokenizer"](text, add_special_tokens=False)["input_ids"] == saved
-    assert any(len(t.strip("Ġ")) == 3 for t in scope["tokenizer"].convert_ids_to_tokens(saved))
+    words = scope["tokenizer"].convert_ids_to_tokens(saved)
+    assert words[words.index("123"):][:4] == ["123", "456", "789", "0"]  # the number in groups of three
     assert scope["policy"].config.vocab_size == len(scope["tokenizer"])
     # what the card warns of: AutoTokenizer on this folder reads the digits otherwise (if it ever stops
     # doing so, the warning in the card can go)
