@@ -169,10 +169,7 @@ def value_accuracy(model, tokenizer, examples: list[dict[str, torch.Tensor]]) ->
             ids = e["input_ids"]
             with torch.no_grad():
                 pred = model(input_ids=ids[None]).logits[0].argmax(-1)
-            starts, text = [], ""  # each token's offset in the episode's text
-            for t in ids.tolist():
-                starts.append(len(text))
-                text += texts[t]
+            text, starts = text_and_starts(ids, texts)
             found = []  # (argument, origin, whether each token of the value was the most likely one)
             for start in value_start_mask(ids[None], e["loss_mask"][None], *tables)[0].nonzero().flatten().tolist():
                 end = start  # the value runs up to the token that holds its closing quote
@@ -198,6 +195,18 @@ def value_accuracy(model, tokenizer, examples: list[dict[str, torch.Tensor]]) ->
         model.train(was_training)
     return [{"argument": key, "origin": origin, "values": n, "first": f / n, "rest": r / n, "whole": w / n}
             for (key, origin), (n, f, r, w) in sorted(stats.items())]
+
+
+def text_and_starts(ids: torch.Tensor, texts: list[str]) -> tuple[str, list[int]]:
+    """The text of the tokens ``ids`` (``texts``: :func:`sinkflex_core.sft_data.token_texts`) and each
+    token's offset in it."""
+    starts, text = [], []
+    at = 0
+    for t in ids.tolist():
+        starts.append(at)
+        text.append(texts[t])
+        at += len(texts[t])
+    return "".join(text), starts
 
 
 def _confirmed_items(ids: torch.Tensor, loss_mask: torch.Tensor, pred: torch.Tensor, text: str, starts: list[int]):

@@ -27,14 +27,16 @@ if TYPE_CHECKING:
 def expert_examples(tokenizer, cfg: SFTConfig, task_indices: list[int], split: str = "train",
                     cache_dir: Path | None = None) -> list[dict[str, torch.Tensor]]:
     """One example per task the oracle solves: ``{"input_ids": (L,), "loss_mask": (L,)}`` long tensors,
-    cut at ``max_total_tokens``. Cached under ``cache_dir`` (a key of the tokenizer, tasks and settings)."""
+    cut at ``max_total_tokens``. Cached under ``cache_dir`` (a key of the tokenizer, tasks, settings and
+    :func:`worlds_digest`, so that a change to a world, its tasks or its oracle is never served from an
+    older cache)."""
     from .rollout import AgentBackend, collect_rollouts
 
     key = hashlib.sha256(json.dumps({
         "vocab": sorted(tokenizer.get_vocab().items()), "template": tokenizer.chat_template, "env": cfg.env_id,
         "split": split, "tasks": task_indices, "system": cfg.system_prompt, "tools": cfg.include_tools,
         "turns": cfg.max_turns, "new": cfg.max_new_tokens_per_turn,
-        "max_total": cfg.max_total_tokens}, sort_keys=True).encode()).hexdigest()[:16]
+        "max_total": cfg.max_total_tokens, "worlds": worlds_digest()}, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir / f"expert-{key}.pt" if cache_dir is not None else None
     if path is not None and path.is_file():
         return torch.load(path, weights_only=True)
@@ -69,6 +71,16 @@ def expert_examples(tokenizer, cfg: SFTConfig, task_indices: list[int], split: s
         with atomic_path(path) as tmp:
             torch.save(out, tmp)
     return out
+
+
+def worlds_digest(folder: Path | None = None) -> str:
+    """A digest of the worlds' code (every ``.py`` file of ``sinkflex_core/envs``, or of ``folder``): the
+    tasks, the customers and the oracles whose episodes :func:`expert_examples` caches."""
+    folder = Path(__file__).parent / "envs" if folder is None else Path(folder)
+    digest = hashlib.sha256()
+    for path in sorted(folder.rglob("*.py")):
+        digest.update(path.relative_to(folder).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def episode_openings(examples: list[dict[str, torch.Tensor]], tool_call_id: int) -> list[dict[str, torch.Tensor]]:

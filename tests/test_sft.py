@@ -67,6 +67,29 @@ def test_expert_examples_are_cut_at_max_total_tokens(tokenizer):
     assert all(len(e["input_ids"]) <= 300 and len(e["input_ids"]) == len(e["loss_mask"]) for e in examples)
 
 
+def test_the_expert_cache_is_keyed_by_the_worlds_code(tokenizer, tmp_path, monkeypatch):
+    import shutil
+
+    from sinkflex_core import sft_data
+
+    cfg = sft.SFTConfig(**SMALL)
+    first = sft.expert_examples(tokenizer, cfg, [0], cache_dir=tmp_path / "cache")
+    (cached,) = (tmp_path / "cache").iterdir()
+    again = sft.expert_examples(tokenizer, cfg, [0], cache_dir=tmp_path / "cache")
+    assert [torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(first, again)] == [True]
+    # an edit to any file of the worlds' code gives another digest ...
+    envs = Path(sft_data.__file__).parent / "envs"
+    shutil.copytree(envs, tmp_path / "envs", ignore=shutil.ignore_patterns("__pycache__"))
+    assert sft_data.worlds_digest(tmp_path / "envs") == sft_data.worlds_digest()
+    oracle = tmp_path / "envs" / "oracle.py"
+    oracle.write_text(oracle.read_text().replace("I will return", "I shall return"))
+    assert sft_data.worlds_digest(tmp_path / "envs") != sft_data.worlds_digest()
+    # ... and another digest is another cache file: the old episodes are not served
+    monkeypatch.setattr(sft_data, "worlds_digest", lambda folder=None: "another world")
+    sft.expert_examples(tokenizer, cfg, [0], cache_dir=tmp_path / "cache")
+    assert len(list((tmp_path / "cache").iterdir())) == 2 and cached.is_file()
+
+
 def test_length_batches_cover_every_example_within_the_budget():
     rng = np.random.default_rng(0)
     lengths = rng.integers(50, 900, size=200).tolist()

@@ -112,16 +112,14 @@ def test_the_item_ids_of_the_oracles_confirmations_are_rows_of_their_own(script,
     # wrong at the first token of the confirmation's first item id: only that row's first token drops
     texts = token_texts(tokenizer)
     ids = examples[0]["input_ids"]
-    text = "".join(texts[int(t)] for t in ids)
+    text, starts = script.text_and_starts(ids, texts)
+    assert text == tokenizer.decode(ids) and len(starts) == len(ids)
     confirmed = script.CONFIRMED_ITEMS.search(text)
     at = confirmed.start(1)
-    offsets = [0]
-    for t in ids.tolist():
-        offsets.append(offsets[-1] + len(texts[t]))
-    first = max(n for n, c in enumerate(offsets[:-1]) if c <= at)
+    first = max(n for n, c in enumerate(starts) if c <= at)
     Oracle.wrong = {first}
     wrong = {(r["argument"], r["origin"]): r for r in script.value_accuracy(Oracle(), tokenizer, examples[:1])}
-    origin = script._listed(text[:offsets[first]], confirmed.group(1).split(", ")[0])
+    origin = script._listed(text[:starts[first]], confirmed.group(1).split(", ")[0])
     assert origin in ("first listed", "listed later")
     for key, r in wrong.items():
         assert (r["first"] < 1.0) == (key == ("items (message)", origin)), key
