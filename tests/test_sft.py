@@ -82,7 +82,7 @@ def test_the_expert_cache_is_keyed_by_the_worlds_code(tokenizer, tmp_path, monke
     shutil.copytree(envs, tmp_path / "envs", ignore=shutil.ignore_patterns("__pycache__"))
     assert sft_data.worlds_digest(tmp_path / "envs") == sft_data.worlds_digest()
     oracle = tmp_path / "envs" / "oracle.py"
-    oracle.write_text(oracle.read_text().replace("I will return", "I shall return"))
+    oracle.write_text(oracle.read_text() + "\n# one more line\n")
     assert sft_data.worlds_digest(tmp_path / "envs") != sft_data.worlds_digest()
     # ... and another digest is another cache file: the old episodes are not served
     monkeypatch.setattr(sft_data, "worlds_digest", lambda folder=None: "another world")
