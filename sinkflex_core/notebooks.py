@@ -177,13 +177,9 @@ def check_parameters(notebooks: list[NotebookInfo], parameters: dict) -> None:
 
 
 def _library_digest() -> str:
-    h = hashlib.sha256()
-    pkg = Path(__file__).resolve().parent
-    for path in sorted(pkg.rglob("*")):
-        if path.is_file() and path.suffix in {".py", ".json", ".md", ".jinja"}:
-            h.update(str(path.relative_to(pkg)).encode())
-            h.update(path.read_bytes())
-    return h.hexdigest()
+    from .paths import files_digest
+
+    return files_digest(Path(__file__).resolve().parent, {".py", ".json", ".md", ".jinja"})
 
 
 def _kernel_name() -> str:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import uuid
@@ -101,3 +102,15 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """``Path(path).write_text(text)`` through :func:`atomic_path`."""
     with atomic_path(path) as tmp:
         tmp.write_text(text)
+
+
+def files_digest(folder: str | os.PathLike, suffixes: set[str]) -> str:
+    """A sha256 hex digest of the files under ``folder`` whose suffix is in ``suffixes``: each one's path
+    relative to ``folder`` and its bytes, in sorted order."""
+    folder = Path(folder)
+    h = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and path.suffix in suffixes:
+            h.update(str(path.relative_to(folder)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .paths import atomic_path
+from .paths import atomic_path, files_digest
 
 if TYPE_CHECKING:
     from .sft import SFTConfig
@@ -76,11 +76,7 @@ def expert_examples(tokenizer, cfg: SFTConfig, task_indices: list[int], split: s
 def worlds_digest(folder: Path | None = None) -> str:
     """A digest of the worlds' code (every ``.py`` file of ``sinkflex_core/envs``, or of ``folder``): the
     tasks, the customers and the oracles whose episodes :func:`expert_examples` caches."""
-    folder = Path(__file__).parent / "envs" if folder is None else Path(folder)
-    digest = hashlib.sha256()
-    for path in sorted(folder.rglob("*.py")):
-        digest.update(path.relative_to(folder).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()[:16]
+    return files_digest(Path(__file__).parent / "envs" if folder is None else folder, {".py"})[:16]
 
 
 def episode_openings(examples: list[dict[str, torch.Tensor]], tool_call_id: int) -> list[dict[str, torch.Tensor]]:
