@@ -68,13 +68,20 @@ def start_dir() -> Path:
 def sink_settings(folder: str | Path | None = None) -> dict:
     """The keyword arguments of :func:`sinkflex_core.attention.apply` with which a ``tiny-cpu`` run plays
     the start in ``folder`` (default: :func:`start_dir`): the preset's sinks, window and learned sink,
-    and the per-layer counts of the folder's ``sinkflex_sinks.json``."""
+    and the per-layer counts of the folder's ``sinkflex_sinks.json``; a folder without that file whose
+    policy was trained with per-layer counts (an SFT run with sink attention writes them to its
+    ``sinkflex_attention.json``) keeps the counts it trained with."""
+    from . import attention
     from .train import resolve_config
 
     folder = Path(folder) if folder is not None else start_dir()
     cfg = resolve_config("tiny-cpu")
-    return {"n_sink": cfg.n_sink, "window": cfg.window, "learn_sinks": cfg.learn_sinks,
-            "layer_sinks": str(folder / "sinkflex_sinks.json")}
+    counts: str | list[int] = str(folder / attention.SINKS_FILENAME)
+    if not (folder / attention.SINKS_FILENAME).is_file():
+        trained = attention.attention_settings(folder) if folder.is_dir() else None
+        if trained and trained.get("layer_sinks"):
+            counts = list(trained["layer_sinks"])
+    return {"n_sink": cfg.n_sink, "window": cfg.window, "learn_sinks": cfg.learn_sinks, "layer_sinks": counts}
 
 
 def preset_sinks(folder: str | Path | None = None) -> dict | None:
@@ -256,8 +263,9 @@ def address_config(n: int, base_dir: str | Path, work_dir: str | Path, **run):
 def sink_stage_config(base_dir: str | Path, out_dir: str | Path, **overrides):
     """The :class:`~sinkflex_core.sft.SFTConfig` of the sink stage: the saved config of the SFT run in
     ``base_dir``, continued from it (``init_from``) for :data:`SINK_STAGE_STEPS` steps with the sink
-    attention a ``tiny-cpu`` run plays it with (:func:`sink_settings` of ``base_dir``, whose
-    ``sinkflex_sinks.json`` must exist: :func:`estimate_sinks`), writing to ``out_dir``; ``overrides`` last."""
+    attention a ``tiny-cpu`` run plays it with (:func:`sink_settings` of ``base_dir``: its
+    ``sinkflex_sinks.json``, :func:`estimate_sinks`, or the counts a sink-attention run there trained
+    with), writing to ``out_dir``; ``overrides`` last."""
     from . import sft
 
     values = sft.saved_config(base_dir)

@@ -235,6 +235,22 @@ def random_start(tmp_path_factory):
     return folder
 
 
+def test_a_stage_without_a_sink_file_continues_on_the_counts_it_trained_with(tmp_path):
+    import json
+
+    # an SFT run with sink attention saves its counts with its attention, not as a sink estimate
+    (tmp_path / A.SETTINGS_FILENAME).write_text(json.dumps({"n_sink": 4, "window": 768, "layer_sinks": [4, 6, 4, 5],
+                                                            "learn_sinks": True}))
+    assert start.sink_settings(tmp_path)["layer_sinks"] == [4, 6, 4, 5]
+    # a sink estimate beside it wins: the counts estimated on that policy
+    A.save_layer_sinks(A.SinkEstimate(mass=[[0.5]] * 4, n_sink=[4, 4, 7, 4], threshold=0.05, min_sinks=4,
+                                      max_sinks=16, query_start=16, num_sequences=1, sequence_length=32), tmp_path)
+    settings = start.sink_settings(tmp_path)
+    assert A.load_layer_sinks(settings["layer_sinks"]) == [4, 4, 7, 4]
+    # neither: the sink file's path, which the SFT config refuses with its own message
+    assert start.sink_settings(tmp_path / "none")["layer_sinks"] == str(tmp_path / "none" / A.SINKS_FILENAME)
+
+
 def test_sink_estimate_of_a_start_has_one_count_per_layer(random_start, monkeypatch):
     ids = torch.randint(3, 500, (2, 96), generator=torch.Generator().manual_seed(0))
     from sinkflex_core.train import layer_sinks
