@@ -11,11 +11,12 @@
    value's first token (which value) and at all of its other tokens (copying it through), by argument.
    ``copy`` values appeared earlier in the episode (the customer's sentence, a tool's record); ``new``
    ones did not (mostly tool names). The item ids the oracle names in its confirmation before an item
-   call ("I will return items 2552978718 of order ...") are rows of their own (``items (message)``, ``new
-   items (message)``): that is where the item the customer described is looked up in the order's record;
-   the call after it copies the ids from the confirmation. Their origin says whether the id is the first
-   item of the record it is read from (``first listed``) or another (``listed later``): a policy that has
-   learned to copy the first item id, not to look the described one up, gets only the first.
+   call ("I will return the Bookshelf 2552978718 (cotton, modern) of order ...") are rows of their own
+   (``items (message)``, ``new items (message)``): that is where the item the customer described is
+   looked up in the order's record; the call after it copies the ids from the confirmation. Their origin
+   says whether the id is the first item of the record it is read from (``first listed``) or another
+   (``listed later``): a policy that has learned to copy the first item id, not to look the described one
+   up, gets only the first.
 
     python benchmarks/where_episodes_fail.py --policy data/retail-tiny-start                   # 120 x 4, ~5 min
     python benchmarks/where_episodes_fail.py --policy DIR --kinds "read only,cancel_pending_order"
@@ -146,7 +147,8 @@ def sampled_failures(policy, tokenizer, tasks: list[int], samples: int, temperat
 
 #: The item ids of the oracle's confirmations before an item call (``sinkflex_core.envs.oracle``): the
 #: items kept or returned, then, for an exchange or a change of items, the items they become.
-CONFIRMED_ITEMS = re.compile(r"I will (?:return|exchange|change) items ([\d, ]+?)(?: for ([\d, ]+?))? (?:of|in) order")
+CONFIRMED_ITEMS = re.compile(r"I will (?:return|exchange|change) (the .+?)(?: for ([\d, ]+?))? (?:of|in) order")
+ITEM_ID = re.compile(r"\b\d{10}\b")
 
 
 def value_accuracy(model, tokenizer, examples: list[dict[str, torch.Tensor]]) -> list[dict]:
@@ -221,11 +223,10 @@ def _confirmed_items(ids: torch.Tensor, loss_mask: torch.Tensor, pred: torch.Ten
         for group, key in ((1, "items (message)"), (2, "new items (message)")):
             if match.group(group) is None:
                 continue
-            at = match.start(group)
-            for value in match.group(group).split(", "):
+            for found in ITEM_ID.finditer(match.group(group)):
+                at, value = match.start(group) + found.start(), found.group()
                 first = bisect.bisect_right(starts, at) - 1
                 span = range(first, bisect.bisect_left(starts, at + len(value)))
-                at += len(value) + 2
                 if first == 0 or not bool(loss_mask[first]):
                     continue
                 yield key, _listed(text[:starts[first]], value), [int(pred[n - 1]) == int(ids[n]) for n in span]

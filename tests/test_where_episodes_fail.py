@@ -115,11 +115,12 @@ def test_the_item_ids_of_the_oracles_confirmations_are_rows_of_their_own(script,
     text, starts = script.text_and_starts(ids, texts)
     assert text == tokenizer.decode(ids) and len(starts) == len(ids)
     confirmed = script.CONFIRMED_ITEMS.search(text)
-    at = confirmed.start(1)
+    first_id = script.ITEM_ID.search(confirmed.group(1))
+    at = confirmed.start(1) + first_id.start()
     first = max(n for n, c in enumerate(starts) if c <= at)
     Oracle.wrong = {first}
     wrong = {(r["argument"], r["origin"]): r for r in script.value_accuracy(Oracle(), tokenizer, examples[:1])}
-    origin = script._listed(text[:starts[first]], confirmed.group(1).split(", ")[0])
+    origin = script._listed(text[:starts[first]], first_id.group())
     assert origin in ("first listed", "listed later")
     for key, r in wrong.items():
         assert (r["first"] < 1.0) == (key == ("items (message)", origin)), key

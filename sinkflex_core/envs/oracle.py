@@ -41,6 +41,14 @@ def _money(cents: int) -> str:
     return f"{cents / 100:.2f}"
 
 
+def _name_items(items: list[dict]) -> str:
+    """The order's items as a confirmation names them: each item's name right before its id, then its
+    options, ``the Bookshelf 2552978718 (cotton, modern) and the Tent 1234567890 (blue)``."""
+    named = [f"the {i['name']} {i['item_id']}" + (f" ({', '.join(i['options'].values())})" if i["options"] else "")
+             for i in items]
+    return named[0] if len(named) == 1 else f"{', '.join(named[:-1])} and {named[-1]}"
+
+
 def _find_pm(user: dict, desc: str) -> dict | None:
     for pm in user["payment_methods"]:
         if desc == "gift card" and pm["source"] == "gift_card":
@@ -149,7 +157,7 @@ class RetailOracle(ScriptedExpert):
             if pm["source"] != "gift_card" and pm["id"] not in originals:
                 return (yield "Sorry, a refund can only go to the original payment method or a gift card.")
             refund = sum(_cents(i["price"]) for i in old)
-            reply = yield (f"I will return items {', '.join(old_ids)} of order {oid} and refund {_money(refund)} "
+            reply = yield (f"I will return {_name_items(old)} of order {oid} and refund {_money(refund)} "
                            f"to {pm['id']}. Proceed? {CONFIRM_MARK}")
             return (yield from self._execute(reply, "return_delivered_order_items",
                                              dict(order_id=oid, item_ids=old_ids, payment_method_id=pm["id"])))
@@ -168,7 +176,7 @@ class RetailOracle(ScriptedExpert):
         if pm["source"] == "gift_card" and _cents(pm["balance"]) < diff:
             return (yield "Sorry, your gift card balance is too low.")
         verb = "change" if kind == "items" else "exchange"
-        reply = yield (f"I will {verb} items {', '.join(old_ids)} for {', '.join(new_ids)} in order {oid}; the "
+        reply = yield (f"I will {verb} {_name_items(old)} for {', '.join(new_ids)} in order {oid}; the "
                        f"difference of {_money(diff)} goes to {pm['id']}. Proceed? {CONFIRM_MARK}")
         tool = "modify_pending_order_items" if kind == "items" else "exchange_delivered_order_items"
         return (yield from self._execute(reply, tool, dict(order_id=oid, item_ids=old_ids, new_item_ids=new_ids,

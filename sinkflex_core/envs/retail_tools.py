@@ -343,7 +343,7 @@ class RetailTools(SQLTools):
             name, options = self.conn.execute(
                 "SELECT p.name, v.options FROM variants v JOIN products p USING (product_id) WHERE v.item_id = ?",
                 (iid,)).fetchone()
-            items.append({"name": name, "product_id": pid, "item_id": iid, "price": _dollars(price),
+            items.append({"name": name, "item_id": iid, "product_id": pid, "price": _dollars(price),
                           "options": json.loads(options)})
         out = {"order_id": oid, "user_id": uid, "status": status,
                "address": dict(zip(ADDRESS_FIELDS, (a1, a2, city, state, country, zip_))), "items": items,
