@@ -142,6 +142,8 @@ def test_read_tools(world):
     assert [p["id"] for p in details["payment_methods"]] == user["payment_method_ids"]
     order = json.loads(_call(tools, "get_order_details", order_id=user["order_ids"][0]))
     assert [i["item_id"] for i in order["items"]] == world.data.orders[user["order_ids"][0]]["items"]
+    # each item's id right after its name (a small policy reads an item's id by its name there)
+    assert all(list(i)[:2] == ["name", "item_id"] for i in order["items"])
     product = json.loads(_call(tools, "get_product_details", product_id=order["items"][0]["product_id"]))
     assert order["items"][0]["item_id"] in [v["item_id"] for v in product["variants"]]
     assert len(json.loads(_call(tools, "list_all_product_types"))) == 50
@@ -313,6 +315,22 @@ def test_scripted_customer():
     stuck = ScriptedCustomer(task)
     replies = [stuck.reply("hmm") for _ in range(6)]
     assert replies[-1][1] and "###STOP###" in replies[-1][0]
+
+
+def test_the_oracles_item_confirmations_name_each_item_before_its_id():
+    from sinkflex_core.envs.oracle import _name_items, expert_conversation
+
+    shelf = {"name": "Bookshelf", "item_id": "2552978718", "options": {"material": "cotton", "style": "modern"}}
+    card = {"name": "Gift Card", "item_id": "1234567890", "options": {}}
+    assert _name_items([shelf]) == "the Bookshelf 2552978718 (cotton, modern)"
+    assert _name_items([shelf, card, shelf]) == ("the Bookshelf 2552978718 (cotton, modern), the Gift Card 1234567890 "
+                                                 "and the Bookshelf 2552978718 (cotton, modern)")
+    # in a whole episode: the customer confirms it and the return is rewarded
+    task = next(i for i, t in enumerate(get_tasks(0, "test")) if [r["kind"] for r in t["requests"]] == ["return"])
+    messages, reward = expert_conversation("sinkflex/Retail-v0", "test", task)
+    confirmation = next(m["content"] for m in messages if m["role"] == "assistant" and "Proceed?" in m["content"])
+    call = get_tasks(0, "test")[task]["requests"][0]["actions"][0]["arguments"]
+    assert re.search(r"I will return the .+ " + call["item_ids"][0], confirmation) and reward == 1.0
 
 
 # ---- environment interface ------------------------------------------------------------------------
