@@ -148,6 +148,7 @@ def sampled_failures(policy, tokenizer, tasks: list[int], samples: int, temperat
 #: The item ids of the oracle's confirmations before an item call (``sinkflex_core.envs.oracle``): the
 #: items kept or returned, then, for an exchange or a change of items, the items they become.
 CONFIRMED_ITEMS = re.compile(r"I will (?:return|exchange|change) (the .+?)(?: for ([\d, ]+?))? (?:of|in) order")
+#: An item id in a confirmation: ten digits (an old item's name comes before its id: ``the Tent 6948105125``).
 ITEM_ID = re.compile(r"\b\d{10}\b")
 
 
