@@ -78,9 +78,9 @@ def sink_settings(folder: str | Path | None = None) -> dict:
     cfg = resolve_config("tiny-cpu")
     counts: str | list[int] = str(folder / attention.SINKS_FILENAME)
     if not (folder / attention.SINKS_FILENAME).is_file():
-        trained = attention.attention_settings(folder) if folder.is_dir() else None
-        if trained and trained.get("layer_sinks"):
-            counts = list(trained["layer_sinks"])
+        trained = attention.attention_settings(folder)  # None where the folder holds no sink attention
+        if trained and trained["layer_sinks"]:
+            counts = trained["layer_sinks"]
     return {"n_sink": cfg.n_sink, "window": cfg.window, "learn_sinks": cfg.learn_sinks, "layer_sinks": counts}
 
 
