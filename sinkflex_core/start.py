@@ -5,10 +5,10 @@ weights, so the repository ships its own start: a tiny Qwen2 trained on the reta
 by the SFT recipe of :mod:`sinkflex_core.sft` (:class:`~sinkflex_core.sft.SFTConfig`'s defaults for
 :data:`RECIPE`'s steps), then the lookup stage's rounds (:data:`LOOKUP_ROUNDS`), the zip stage
 (:data:`ZIP_DRILLS`, :data:`ZIP_ROUND_STEPS`), the sink stage, trained with the sink attention GRPO's
-``tiny-cpu`` preset plays it with (:func:`sink_stage_config`, :data:`SINK_STAGE_STEPS`), and last the
-address stage on that attention (:data:`ADDRESS_ROWS`, :data:`ADDRESS_RUNS`): ``--lookup-stage --zip-stage
---sink-stage --address-stage`` below. It lives in ``data/retail-tiny-start/`` with what GRPO needs beside the
-weights:
+``tiny-cpu`` preset plays it with (:func:`sink_stage_config`, :data:`SINK_STAGE_STEPS`), then the
+address stage on that attention (:data:`ADDRESS_ROWS`, :data:`ADDRESS_RUNS`) and last the payment stage
+(:data:`PAYMENT_ROWS`, :data:`PAYMENT_RUNS`): ``--lookup-stage --zip-stage --sink-stage --address-stage
+--payment-stage`` below. It lives in ``data/retail-tiny-start/`` with what GRPO needs beside the weights:
 
 - ``sinkflex_sinks.json``: the per-layer sink counts estimated from this policy (with a sink stage: from
   the stage before it, which it trained with; :func:`sinkflex_core.attention.estimate_layer_sinks` on
@@ -19,17 +19,17 @@ weights:
 - ``train_screen.csv``: the training tasks played ``--screen-samples`` times with the preset's
   attention, the screen GRPO trains on (:func:`sinkflex_core.train.screened_tasks`);
 - ``recipe/``: the config and history of each stage of the SFT (a run of warm-ups alone, the address
-  drill, has an empty history);
-- with ``--sink-stage`` or ``--address-stage``, ``sinkflex_attention.json`` and the learned sink logits in
-  the weights: the last stage trained with the preset's sink attention (:func:`sink_stage_config`), which
-  :func:`sinkflex_core.models.load_policy` restores;
+  or the payment drill, has an empty history);
+- with ``--sink-stage``, ``--address-stage`` or ``--payment-stage``, ``sinkflex_attention.json`` and the
+  learned sink logits in the weights: the last stage trained with the preset's sink attention
+  (:func:`sink_stage_config`), which :func:`sinkflex_core.models.load_policy` restores;
 - ``README.md``: the model card, written from the files above.
 
-Regenerate it (about six and a half hours on 2 cores; each finished part is reused when run again)::
+Regenerate it (about seven and a half hours on 2 cores; each finished part is reused when run again)::
 
-    python -m sinkflex_core.start --lookup-stage --zip-stage --sink-stage --address-stage  # the shipped start
-    python -m sinkflex_core.start --lookup-stage --zip-stage --sink-stage  # the start shipped before it
-    python -m sinkflex_core.start --lookup-stage --zip-stage  # the one before, without the sink stage
+    python -m sinkflex_core.start --lookup-stage --zip-stage --sink-stage --address-stage --payment-stage  # the shipped start
+    python -m sinkflex_core.start --lookup-stage --zip-stage --sink-stage --address-stage  # the start shipped before it
+    python -m sinkflex_core.start --lookup-stage --zip-stage --sink-stage  # the one before, without the address stage
     python -m sinkflex_core.start                    # the first SFT stage alone
     python -m sinkflex_core.start --sink-stage       # the first stage, then a stage on the preset's sink attention
     python -m sinkflex_core.start --lookup-stage     # + two rounds drilling the tool calls' lookups
@@ -128,7 +128,8 @@ def _export(source: Path, out: Path, stages: list[Path]) -> None:
 
 #: The command's stage flags, each with the run folder of the stage it adds (as a recipe labels it).
 STAGE_FLAGS = (("identity-stage", "sft_identity"), ("lookup-stage", "sft_lookup"), ("zip-stage", "sft_zip_drills"),
-               ("sink-stage", "sft_sink"), ("address-stage", "sft_address_drill"))
+               ("sink-stage", "sft_sink"), ("address-stage", "sft_address_drill"),
+               ("payment-stage", "sft_payment_drill"))
 
 
 def recipe_flags(stages: list[tuple[str, dict, pd.DataFrame]]) -> list[str]:
@@ -249,15 +250,45 @@ ADDRESS_ROWS = {"action_tools": "modify_pending_order_address,modify_user_addres
 ADDRESS_RUNS = ((1500, 0), (600, 600), (0, 600))
 
 
+#: The payment stage (``build(payment_stage=True)``), on top of the address stage and in its form: the
+#: expert's confirmations of a payment change and its calls cut into short rows and drilled alone, then
+#: rounds with 4 short rows a step beside the episodes, cut at the payment calls and at the two address
+#: tools' (:data:`PAYMENT_ROUND_TOOLS`), so that the rounds keep the address values. The start before it
+#: proposed the wrong payment method in most payment changes (the customer's "my gift card", "my paypal
+#: account" or "my visa card ending in 0724", about 550 tokens back, read in 4 of the 16 test tasks'
+#: confirmations).
+PAYMENT_ROWS = {**ADDRESS_ROWS, "action_tools": "modify_pending_order_payment"}
+PAYMENT_ROUND_TOOLS = "modify_pending_order_payment,modify_pending_order_address,modify_user_address"
+#: The runs of the payment stage, as :data:`ADDRESS_RUNS`. From the address stage's start, on all 120
+#: test tasks x 8 (docs/experiments.md): the payment changes went from 8 to 41 successes of 128 after the
+#: drill and one round (test reward 0.343 -> 0.369), to 58 after two (0.451; the cancellations 26 -> 59).
+PAYMENT_RUNS = ((600, 0), (0, 600), (0, 600))
+
+
+def _short_row_config(name: str, rows: dict, round_tools: str, runs: tuple, n: int, base_dir: str | Path,
+                      work_dir: str | Path, **run):
+    drill, steps = runs[n]
+    out = Path(work_dir) / (f"sft_{name}_drill" if n == 0 else f"sft_{name}{n}")
+    tools = {"action_tools": round_tools} if n else {}
+    return sink_stage_config(base_dir, out, **run, **{**rows, **tools}, short_warmup_steps=drill, max_steps=steps,
+                             eval_every=max(1, steps))
+
+
 def address_config(n: int, base_dir: str | Path, work_dir: str | Path, **run):
     """The :class:`~sinkflex_core.sft.SFTConfig` of run ``n`` of :data:`ADDRESS_RUNS`, continuing the
     policy in ``base_dir`` (the sink stage, or the run before; with ``sinkflex_sinks.json``) into
     ``work_dir/sft_address_drill`` (run 0, the drill alone: ``max_steps`` 0) or ``work_dir/sft_addressN``;
     ``run``: how it runs (threads, device, progress)."""
-    drill, steps = ADDRESS_RUNS[n]
-    out = Path(work_dir) / ("sft_address_drill" if n == 0 else f"sft_address{n}")
-    return sink_stage_config(base_dir, out, **run, **ADDRESS_ROWS, short_warmup_steps=drill, max_steps=steps,
-                             eval_every=max(1, steps))
+    return _short_row_config("address", ADDRESS_ROWS, ADDRESS_ROWS["action_tools"], ADDRESS_RUNS, n, base_dir,
+                             work_dir, **run)
+
+
+def payment_config(n: int, base_dir: str | Path, work_dir: str | Path, **run):
+    """The :class:`~sinkflex_core.sft.SFTConfig` of run ``n`` of :data:`PAYMENT_RUNS`, as
+    :func:`address_config`: ``work_dir/sft_payment_drill`` (:data:`PAYMENT_ROWS`' payment rows alone), then
+    ``work_dir/sft_paymentN`` (short rows of :data:`PAYMENT_ROUND_TOOLS` beside the episodes)."""
+    return _short_row_config("payment", PAYMENT_ROWS, PAYMENT_ROUND_TOOLS, PAYMENT_RUNS, n, base_dir, work_dir,
+                             **run)
 
 
 def sink_stage_config(base_dir: str | Path, out_dir: str | Path, **overrides):
@@ -282,18 +313,20 @@ def sink_stage_config(base_dir: str | Path, out_dir: str | Path, **overrides):
 def build(out: str | Path | None = None, work_dir: str | Path = "runs/start", threads: int = 0,
           test_samples: int = 8, screen_samples: int = 4, progress: bool = True,
           identity_stage: bool = False, sink_stage: bool = False, lookup_stage: bool = False,
-          zip_stage: bool = False, address_stage: bool = False, device: str = "auto") -> Path:
+          zip_stage: bool = False, address_stage: bool = False, payment_stage: bool = False,
+          device: str = "auto") -> Path:
     """Train (or reuse) the SFT in ``work_dir`` (and, with ``identity_stage``, its second stage,
     :data:`sinkflex_core.sft.IDENTITY_STAGE`; with ``lookup_stage``, :data:`LOOKUP_ROUNDS` rounds of the
     stage that drills every lookup of a tool call's values, :data:`sinkflex_core.sft.LOOKUP_STAGE`; with ``zip_stage``, the zip code's drills
     :data:`ZIP_DRILLS` and the rounds :data:`ZIP_ROUND` after them; with ``sink_stage``, a last stage on the ``tiny-cpu``
     preset's sink attention, :func:`sink_stage_config`, whose sink counts are estimated on the stage before;
-    with ``address_stage``, then the address calls' drill and rounds, :func:`address_config`, on those counts),
+    with ``address_stage``, then the address calls' drill and rounds, :func:`address_config`, on those counts;
+    with ``payment_stage``, then the payment calls' drill and rounds, :func:`payment_config`),
     copy the policy to ``out`` (default: :func:`start_dir`), estimate its sinks (a sink stage keeps the
     counts it trained with), measure it (``screen_samples`` 0: not the training tasks) and write its
     model card. ``device`` is where every stage trains (:attr:`sinkflex_core.sft.SFTConfig.device`; the
     measurement plays on the CPU). Returns ``out``."""
-    from . import sft
+    from . import attention, sft
 
     out = Path(out) if out is not None else start_dir()
     work = Path(work_dir)
@@ -312,23 +345,22 @@ def build(out: str | Path | None = None, work_dir: str | Path = "runs/start", th
             stages.append(sft.train_or_reuse(sft.lookup_stage(stages[-1], work / f"sft_zip{n + 1}", **run,
                                                               max_steps=steps, eval_every=steps, **ZIP_ROUND)))
     if sink_stage:
-        from . import attention
-
         if not (stages[-1] / attention.SINKS_FILENAME).is_file():
             estimate_sinks(stages[-1])
         stages.append(sft.train_or_reuse(sink_stage_config(stages[-1], work / "sft_sink", **run)))
         (stages[-1] / attention.SINKS_FILENAME).write_bytes((stages[-2] / attention.SINKS_FILENAME).read_bytes())
-    if address_stage:
-        from . import attention
-
+    for wanted, config, runs in ((address_stage, address_config, ADDRESS_RUNS),
+                                 (payment_stage, payment_config, PAYMENT_RUNS)):
+        if not wanted:
+            continue
         if not (stages[-1] / attention.SINKS_FILENAME).is_file():
             estimate_sinks(stages[-1])
         counts = (stages[-1] / attention.SINKS_FILENAME).read_bytes()
-        for n in range(len(ADDRESS_RUNS)):  # each config read from the saved config of the run before it
-            stages.append(sft.train_or_reuse(address_config(n, stages[-1], work, **run)))
+        for n in range(len(runs)):  # each config read from the saved config of the run before it
+            stages.append(sft.train_or_reuse(config(n, stages[-1], work, **run)))
             (stages[-1] / attention.SINKS_FILENAME).write_bytes(counts)  # the counts every run trained with
     _export(stages[-1], out, stages)
-    if not (sink_stage or address_stage):
+    if not (sink_stage or address_stage or payment_stage):
         estimate_sinks(out)
     measure(out, test_samples, screen_samples, progress)
     write_card(out)
@@ -548,6 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address-stage", action="store_true",
                    help="then drill the address calls' values and recover the episodes in rounds, on the preset's "
                         "sink attention")
+    p.add_argument("--payment-stage", action="store_true",
+                   help="then drill the payment method the customer names and recover the episodes in rounds, "
+                        "on the preset's sink attention")
     p.add_argument("--card-only", action="store_true", help="only rewrite README.md from the folder's files")
     p.add_argument("--measure-only", action="store_true",
                    help="train nothing: measure the start in the folder again where its files were made with "
@@ -600,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     out = build(args.out, args.work_dir, args.threads, args.test_samples, args.screen_samples,
                 progress=not args.no_progress, identity_stage=args.identity_stage, sink_stage=args.sink_stage,
                 lookup_stage=args.lookup_stage, zip_stage=args.zip_stage, address_stage=args.address_stage,
-                device=args.device)
+                payment_stage=args.payment_stage, device=args.device)
     print(out)
     return 0
 

@@ -200,6 +200,32 @@ def test_the_address_stage_drills_then_runs_its_rounds_on_the_sink_stage_with_it
         ["--sink-stage", "--address-stage"]
 
 
+def test_the_payment_stage_follows_the_address_stage_and_its_rounds_keep_the_address_rows(tmp_path, trained_stages,
+                                                                                          monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.setattr(start, "estimate_sinks",
+                        lambda folder: (Path(folder) / A.SINKS_FILENAME).write_text('{"n_sink": [4, 6]}'))
+    trained = trained_stages
+    start.build(tmp_path / "start", tmp_path / "work", threads=1, progress=False, sink_stage=True, address_stage=True,
+                payment_stage=True)
+    names = [Path(c.out_dir).name for c in trained]
+    assert names[-3:] == ["sft_payment_drill", "sft_payment1", "sft_payment2"] and names[-4] == "sft_address2"
+    assert all(b.init_from == a.out_dir for a, b in zip(trained, trained[1:]))
+    runs = trained[-3:]
+    assert [(c.short_warmup_steps, c.max_steps, c.eval_every) for c in runs] == [(600, 0, 1), (0, 600, 600),
+                                                                                (0, 600, 600)]
+    # the drill: the payment rows alone; the rounds: the payment and both address tools' rows
+    assert runs[0].action_tools == "modify_pending_order_payment"
+    assert [set(c.action_tools.split(",")) for c in runs[1:]] == [
+        {"modify_pending_order_payment", "modify_pending_order_address", "modify_user_address"}] * 2
+    for c in runs:
+        assert c.attention == "sinkflex" and c.action_confirmations and c.short_action_rows == 4
+        assert (Path(c.out_dir) / A.SINKS_FILENAME).read_text() == '{"n_sink": [4, 6]}'
+    assert start.recipe_flags([(f"stage{n}_{name}", {}, None) for n, name in enumerate(names, 1)]) == \
+        ["--sink-stage", "--address-stage", "--payment-stage"]
+
+
 def test_the_card_counts_a_drill_of_short_rows_and_a_stage_without_evaluation(tmp_path):
     import json
     import shutil
@@ -220,7 +246,9 @@ def test_the_card_counts_a_drill_of_short_rows_and_a_stage_without_evaluation(tm
     assert (f"- `{label}`: 1,500 drill steps of 12 short rows cut at the calls of modify_pending_order_address, "
             "modify_user_address, then no SFT step, lr 0.001; the weights at the end of the drill kept (no "
             "evaluation).") in card
-    assert "besides the drills' short rows" in card and "--address-stage\n" in card
+    flags = start.recipe_flags(start.recipe_stages(folder))
+    assert "--address-stage" in flags and f"python -m sinkflex_core.start {' '.join(flags)}\n" in card
+    assert "besides the drills' short rows" in card
 
 
 @pytest.fixture(scope="module")
