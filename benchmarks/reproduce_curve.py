@@ -267,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the start policy folder (default: the shipped start, data/retail-tiny-start)")
     p.add_argument("--train-start", action="store_true",
                    help="train the start here instead, with the shipped start's recipe (python -m sinkflex_core.start "
-                        "--lookup-stage --zip-stage --sink-stage --address-stage): into OUT_ROOT/start, its stages in "
-                        "OUT_ROOT/start_work (about six and a half hours on 2 cores)")
+                        "--lookup-stage --zip-stage --sink-stage --address-stage --payment-stage): into OUT_ROOT/start, its stages in "
+                        "OUT_ROOT/start_work (about seven and a half hours on 2 cores)")
     p.add_argument("--parallel", type=int, default=1,
                    help="runs at once (each with 2/N threads; the recording ran 1: each run alone on 2 cores, "
                         "as fast as 10 minutes allow; 2 gave each run 3-4 steps instead of 20-23)")
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.train_start:
         sft_dir = start.build(out_root / "start", out_root / "start_work", threads, test_samples=test_samples,
                               screen_samples=args.screen_samples, progress=not args.no_progress,
-                              lookup_stage=True, zip_stage=True, sink_stage=True, address_stage=True)
+                              lookup_stage=True, zip_stage=True, sink_stage=True, address_stage=True, payment_stage=True)
     elif not (start.start_dir() / "model.safetensors").is_file():
         p.error(f"{start.start_dir()} has no model.safetensors: restore it (git checkout -- data/retail-tiny-start) "
                 "or train one with --train-start")
