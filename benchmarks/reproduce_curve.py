@@ -116,15 +116,19 @@ def write_sft_table(parts: list[tuple[Path, pd.DataFrame, dict]]) -> pd.DataFram
     where they were recorded (a shipped start's recipe carries none of its own)."""
     import io
 
-    from transformers import AutoModelForCausalLM
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from sinkflex_core.provenance import provenance
 
     tables = []
     for folder, hist, saved in parts:
         cfg = {**dataclasses.asdict(sft.SFTConfig()), **saved}  # fields added since: defaults
-        model = AutoModelForCausalLM.from_pretrained(folder)
-        mcfg, n_params = model.config, sum(p.numel() for p in model.parameters())
+        # the shape and the parameter count of the stock model (a sink policy's learned sink logits are
+        # not counted), from the config alone: no weights read, no loading report
+        mcfg = AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(mcfg).parameters())
         tables.append(hist.assign(
             seed=cfg["seed"], peak_lr=cfg["lr"],
             hidden_size=mcfg.hidden_size, num_layers=mcfg.num_hidden_layers, num_heads=mcfg.num_attention_heads,

@@ -320,6 +320,12 @@ def test_sft_lowers_the_loss_and_saves_a_policy_the_trainer_loads(tmp_path, caps
     table = bench.write_sft_table(parts)
     assert list(table["run"]) == ["sft", "sft", "sft2"] and list(table["total_step"]) == [15, 30, 17]
     assert list(table["init_from"].fillna("")) == ["", "", "sft"] and (tmp_path / "reward_curve_sft.csv").is_file()
+    # the shape and the parameter count come from the config alone: the count of the loaded model
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "sft")
+    assert set(table["parameters"]) == {sum(p.numel() for p in loaded.parameters())}
+    assert set(table["hidden_size"]) == {loaded.config.hidden_size}
     # the same stages written again keep the provenance of the run that recorded them
     pd.read_csv(tmp_path / "reward_curve_sft.csv").assign(git_sha="recorded-earlier").to_csv(
         tmp_path / "reward_curve_sft.csv", index=False)
