@@ -119,6 +119,7 @@ def write_sft_table(parts: list[tuple[Path, pd.DataFrame, dict]]) -> pd.DataFram
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from sinkflex_core.models import count_parameters
     from sinkflex_core.provenance import provenance
 
     tables = []
@@ -128,7 +129,7 @@ def write_sft_table(parts: list[tuple[Path, pd.DataFrame, dict]]) -> pd.DataFram
         # not counted), from the config alone: no weights read, no loading report
         mcfg = AutoConfig.from_pretrained(folder)
         with torch.device("meta"):
-            n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(mcfg).parameters())
+            n_params = count_parameters(AutoModelForCausalLM.from_config(mcfg))
         tables.append(hist.assign(
             seed=cfg["seed"], peak_lr=cfg["lr"],
             hidden_size=mcfg.hidden_size, num_layers=mcfg.num_hidden_layers, num_heads=mcfg.num_attention_heads,
