@@ -17,6 +17,12 @@
    says whether the id is the first item of the record it is read from (``first listed``) or another
    (``listed later``): a policy that has learned to copy the first item id, not to look the described one
    up, gets only the first.
+   The payment method ids of the oracle's confirmations (``I will pay order #W6303495 with
+   gift_card_2876511``) are rows too (``payment (message)``, scored from the id's first digits, where the
+   method is picked): ``latest of its prefix`` when no other id with the same word before its digits
+   (``card_``: a credit card's or a gift card's) stands after it earlier in the episode, ``another after
+   it`` when one does (the card the order is paid with, in the order's record read after the customer's):
+   a policy that copies the digits after the most recent ``card_`` gets only the first.
 
     python benchmarks/where_episodes_fail.py --policy data/retail-tiny-start                   # 120 x 4, ~5 min
     python benchmarks/where_episodes_fail.py --policy DIR --kinds "read only,cancel_pending_order"
@@ -159,7 +165,8 @@ def value_accuracy(model, tokenizer, examples: list[dict[str, torch.Tensor]]) ->
     first token is the most likely one), ``rest`` (share whose other tokens all are, given the right
     ones before) and ``whole`` (both); the item ids of the oracle's confirmations (:data:`CONFIRMED_ITEMS`)
     as the arguments ``items (message)`` and ``new items (message)``, their origin ``first listed``,
-    ``listed later`` or ``new`` (:func:`_confirmed_items`)."""
+    ``listed later`` or ``new`` (:func:`_confirmed_items`); their payment method ids as ``payment
+    (message)`` (:func:`_confirmed_payments`)."""
     from sinkflex_core.sft_data import token_texts, value_start_mask, value_start_tokens
 
     texts = token_texts(tokenizer)
@@ -188,7 +195,9 @@ def value_accuracy(model, tokenizer, examples: list[dict[str, torch.Tensor]]) ->
                 keys = re.findall(r'(\w+)":', text[starts[max(0, start - 16)]:starts[start]])
                 origin = "copy" if value and value in text[:starts[start - 1]] else "new"
                 found.append((keys[-1] if keys else "name", origin, [int(pred[p - 1]) == int(ids[p]) for p in span]))
-            for key, origin, hits in found + list(_confirmed_items(ids, e["loss_mask"], pred, text, starts)):
+            confirmed = list(_confirmed_items(ids, e["loss_mask"], pred, text, starts))
+            confirmed += _confirmed_payments(ids, e["loss_mask"], pred, text, starts)
+            for key, origin, hits in found + confirmed:
                 row = stats[(key, origin)]
                 row[0] += 1
                 row[1] += hits[0]
@@ -231,6 +240,46 @@ def _confirmed_items(ids: torch.Tensor, loss_mask: torch.Tensor, pred: torch.Ten
                 if first == 0 or not bool(loss_mask[first]):
                     continue
                 yield key, _listed(text[:starts[first]], value), [int(pred[n - 1]) == int(ids[n]) for n in span]
+
+
+#: A payment method's id (``credit_card_8562734``, ``gift_card_2876511``, ``paypal_4080120``).
+PAYMENT_ID = re.compile(r"\b(?:credit_card|gift_card|paypal)_\d+")
+
+
+def _confirmed_payments(ids: torch.Tensor, loss_mask: torch.Tensor, pred: torch.Tensor, text: str,
+                        starts: list[int]):
+    """Each payment method id the oracle names in a confirmation, as :func:`_confirmed_items`: ``("payment
+    (message)", origin, hits)``, the hits from the id's first digits (where the method is picked; the words
+    before them say its source, as the customer named it). ``origin`` (:func:`_latest_of_prefix`) says
+    whether another id with the same tokens right before its digits stands after it in the text before."""
+    from sinkflex_core.envs.customer import CONFIRM_MARK
+
+    for found in PAYMENT_ID.finditer(text):
+        value = found.group()
+        turn = text.rfind("<|im_start|>", 0, found.start())
+        end = text.find("<|im_end|>", found.end())
+        if CONFIRM_MARK not in text[turn:end if end >= 0 else len(text)]:
+            continue  # a call's argument (a row of ``payment_method_id``) or the report after the call
+        at = found.start() + value.rindex("_") + 1  # the first digit
+        first = bisect.bisect_right(starts, at) - 1
+        if starts[first] != at or first == 0 or not bool(loss_mask[first]):
+            continue
+        span = range(first, bisect.bisect_left(starts, found.end()))
+        yield "payment (message)", _latest_of_prefix(text[:found.start()], value), \
+            [int(pred[n - 1]) == int(ids[n]) for n in span]
+
+
+def _latest_of_prefix(before: str, value: str) -> str:
+    """Where the payment method id ``value`` stands in ``before`` among the ids with the same last word
+    before the digits (``card_`` for a credit card's and a gift card's, ``paypal_``): ``"latest of its
+    prefix"`` when no other such id comes after its last mention (a copy of the digits after the most recent
+    ``card_`` gets it right), ``"another after it"`` when one does (the order's record naming the card it
+    is paid with, after the customer's record listing both), ``"new"`` when ``before`` never names it."""
+    prefix = value.split("_")[-2] + "_"
+    same = [m.group() for m in PAYMENT_ID.finditer(before) if m.group().split("_")[-2] + "_" == prefix]
+    if value not in same:
+        return "new"
+    return "latest of its prefix" if same[-1] == value else "another after it"
 
 
 def _listed(before: str, value: str) -> str:
@@ -299,9 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = value_accuracy(policy, tokenizer, examples)
     print(f"teacher-forced, the oracle's episodes of the same {len(tasks)} tasks "
           "(first token / the rest / whole value right):")
-    print(f"  {'argument':<20} {'origin':<12} {'values':>6} {'first':>6} {'rest':>6} {'whole':>6}")
+    print(f"  {'argument':<20} {'origin':<20} {'values':>6} {'first':>6} {'rest':>6} {'whole':>6}")
     for r in rows:
-        print(f"  {r['argument']:<20} {r['origin']:<12} {r['values']:>6} {r['first']:>6.2f} {r['rest']:>6.2f} "
+        print(f"  {r['argument']:<20} {r['origin']:<20} {r['values']:>6} {r['first']:>6.2f} {r['rest']:>6.2f} "
               f"{r['whole']:>6.2f}")
     print(f"({(time.perf_counter() - t0) / 60:.1f} min)", file=sys.stderr)
     return 0

@@ -137,6 +137,52 @@ def test_a_confirmed_item_is_placed_in_the_last_record_that_lists_it(script):
     assert script._listed('{"item_id":"444"} outside any tool output', "444") == "new"
 
 
+def test_the_payment_methods_of_the_oracles_confirmations_are_rows_of_their_own(script, tokenizer):
+    from sinkflex_core.train import task_kinds
+
+    kinds = task_kinds("test", list(range(120)))
+    tasks = [t for t, k in enumerate(kinds) if k == "modify_pending_order_payment"][:3]
+    examples = sft.expert_examples(tokenizer, sft.SFTConfig(), tasks, split="test")
+
+    class Oracle(torch.nn.Module):  # predicts every next token of its input but those in ``wrong``
+        wrong: set = set()
+
+        def forward(self, input_ids, **kw):
+            target = torch.roll(input_ids, -1, 1)
+            for n in self.wrong:
+                target[0, n - 1] = (target[0, n - 1] + 1) % len(tokenizer)
+            return type("Out", (), {"logits": torch.nn.functional.one_hot(target, len(tokenizer)).float()})()
+
+    rows = [r for r in script.value_accuracy(Oracle(), tokenizer, examples) if r["argument"] == "payment (message)"]
+    # one confirmation before each payment change; the call after it and the report are not message rows
+    calls = [args for t in tasks for name, args in script.oracle_calls(
+        expert_conversation("sinkflex/Retail-v0", "test", t)[0]) if name == "modify_pending_order_payment"]
+    assert sum(r["values"] for r in rows) == len(calls) == 3
+    assert all(r["whole"] == 1.0 for r in rows)
+    # wrong at the first digits of the first confirmation's id: that row's first token drops, the rest stays
+    texts = token_texts(tokenizer)
+    ids = examples[0]["input_ids"]
+    text, starts = script.text_and_starts(ids, texts)
+    value = calls[0]["payment_method_id"]
+    at = text.index(f"{value}. Proceed") + value.rindex("_") + 1
+    first = starts.index(at)
+    Oracle.wrong = {first}
+    wrong = [r for r in script.value_accuracy(Oracle(), tokenizer, examples[:1]) if r["argument"] == "payment (message)"]
+    assert [(r["first"], r["rest"]) for r in wrong] == [(0.0, 1.0)]
+    assert wrong[0]["origin"] == script._latest_of_prefix(text[:at - value.rindex("_") - 1], value)
+
+
+def test_a_confirmed_payment_method_is_placed_among_the_ids_with_its_last_word(script):
+    user = '{"payment_methods":[{"id":"gift_card_111"},{"id":"credit_card_222"},{"id":"paypal_333"}]}'
+    order = '{"payment_history":[{"payment_method_id":"credit_card_222"}]}'
+    # a gift card's id and a credit card's share the tokens before their digits (card _)
+    assert script._latest_of_prefix(user, "credit_card_222") == "latest of its prefix"
+    assert script._latest_of_prefix(user, "gift_card_111") == "another after it"
+    assert script._latest_of_prefix(user + order, "paypal_333") == "latest of its prefix"
+    assert script._latest_of_prefix(user + order + "gift_card_111", "gift_card_111") == "latest of its prefix"
+    assert script._latest_of_prefix(order, "paypal_333") == "new"
+
+
 def test_command_line(script, tokenizer, tmp_path, capsys):
     policy = tmp_path / "policy"
     build_model(tiny_qwen2_config(len(tokenizer), hidden_size=32, num_layers=1, tokenizer=tokenizer)).save_pretrained(
