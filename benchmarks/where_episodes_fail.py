@@ -275,8 +275,8 @@ def _latest_of_prefix(before: str, value: str) -> str:
     prefix"`` when no other such id comes after its last mention (a copy of the digits after the most recent
     ``card_`` gets it right), ``"another after it"`` when one does (the order's record naming the card it
     is paid with, after the customer's record listing both), ``"new"`` when ``before`` never names it."""
-    prefix = value.split("_")[-2] + "_"
-    same = [m.group() for m in PAYMENT_ID.finditer(before) if m.group().split("_")[-2] + "_" == prefix]
+    word = value.split("_")[-2]  # "card" of credit_card_8562734
+    same = [m.group() for m in PAYMENT_ID.finditer(before) if m.group().split("_")[-2] == word]
     if value not in same:
         return "new"
     return "latest of its prefix" if same[-1] == value else "another after it"

@@ -31,6 +31,19 @@ def _turn(text: str = "", calls: list | None = None) -> dict:
     return message
 
 
+def _next_token_model(vocab: int, wrong: set = frozenset()) -> torch.nn.Module:
+    """A model that predicts every next token of its input, except at the positions in ``wrong`` (the
+    token before each predicts another token)."""
+    class NextToken(torch.nn.Module):
+        def forward(self, input_ids, **kw):
+            target = torch.roll(input_ids, -1, 1)
+            for n in wrong:
+                target[0, n - 1] = (target[0, n - 1] + 1) % vocab
+            return type("Out", (), {"logits": torch.nn.functional.one_hot(target, vocab).float()})()
+
+    return NextToken()
+
+
 def test_the_first_difference_names_the_call_and_the_value(script):
     oracle = [("find_user_id_by_email", {"email": "mei.patel4567@example.com"}),
               ("get_user_details", {"user_id": "mei_patel_4567"})]
@@ -68,12 +81,7 @@ def test_the_oracles_own_episodes_leave_nothing(script):
 def test_value_accuracy_is_perfect_for_a_model_that_knows_the_next_token(script, tokenizer):
     examples = sft.expert_examples(tokenizer, sft.SFTConfig(), [0, 1, 2], split="test")
 
-    class Oracle(torch.nn.Module):  # predicts every next token of its input
-        def forward(self, input_ids, **kw):
-            return type("Out", (), {"logits": torch.nn.functional.one_hot(torch.roll(input_ids, -1, 1),
-                                                                          len(tokenizer)).float()})()
-
-    rows = script.value_accuracy(Oracle(), tokenizer, examples)
+    rows = script.value_accuracy(_next_token_model(len(tokenizer)), tokenizer, examples)
     by = {(r["argument"], r["origin"]): r for r in rows}
     assert {("email", "copy"), ("user_id", "copy"), ("order_id", "copy"), ("name", "new")} <= set(by)
     assert all(r["first"] == r["rest"] == r["whole"] == 1.0 for r in rows)
@@ -91,16 +99,8 @@ def test_the_item_ids_of_the_oracles_confirmations_are_rows_of_their_own(script,
              for kind in ("return_delivered_order_items", "exchange_delivered_order_items", "modify_pending_order_items")]
     examples = sft.expert_examples(tokenizer, sft.SFTConfig(), tasks, split="test")
 
-    class Oracle(torch.nn.Module):  # predicts every next token of its input, or only those outside ``wrong``
-        wrong: set = set()
-
-        def forward(self, input_ids, **kw):
-            target = torch.roll(input_ids, -1, 1)
-            for n in self.wrong:  # the token before a wrong one predicts another token
-                target[0, n - 1] = (target[0, n - 1] + 1) % len(tokenizer)
-            return type("Out", (), {"logits": torch.nn.functional.one_hot(target, len(tokenizer)).float()})()
-
-    rows = {(r["argument"], r["origin"]): r for r in script.value_accuracy(Oracle(), tokenizer, examples)}
+    rows = {(r["argument"], r["origin"]): r for r in script.value_accuracy(_next_token_model(len(tokenizer)), tokenizer,
+                                                                       examples)}
     # every item id the calls name, each once in the confirmation before them; the new items of the
     # exchange and of the change of items too (the calls' rows count the first id of each list)
     calls = [args for t in tasks for _, args in script.oracle_calls(expert_conversation("sinkflex/Retail-v0", "test", t)[0])]
@@ -118,8 +118,8 @@ def test_the_item_ids_of_the_oracles_confirmations_are_rows_of_their_own(script,
     first_id = script.ITEM_ID.search(confirmed.group(1))
     at = confirmed.start(1) + first_id.start()
     first = max(n for n, c in enumerate(starts) if c <= at)
-    Oracle.wrong = {first}
-    wrong = {(r["argument"], r["origin"]): r for r in script.value_accuracy(Oracle(), tokenizer, examples[:1])}
+    wrong = {(r["argument"], r["origin"]): r
+             for r in script.value_accuracy(_next_token_model(len(tokenizer), {first}), tokenizer, examples[:1])}
     origin = script._listed(text[:starts[first]], first_id.group())
     assert origin in ("first listed", "listed later")
     for key, r in wrong.items():
@@ -144,16 +144,8 @@ def test_the_payment_methods_of_the_oracles_confirmations_are_rows_of_their_own(
     tasks = [t for t, k in enumerate(kinds) if k == "modify_pending_order_payment"][:3]
     examples = sft.expert_examples(tokenizer, sft.SFTConfig(), tasks, split="test")
 
-    class Oracle(torch.nn.Module):  # predicts every next token of its input but those in ``wrong``
-        wrong: set = set()
-
-        def forward(self, input_ids, **kw):
-            target = torch.roll(input_ids, -1, 1)
-            for n in self.wrong:
-                target[0, n - 1] = (target[0, n - 1] + 1) % len(tokenizer)
-            return type("Out", (), {"logits": torch.nn.functional.one_hot(target, len(tokenizer)).float()})()
-
-    rows = [r for r in script.value_accuracy(Oracle(), tokenizer, examples) if r["argument"] == "payment (message)"]
+    rows = [r for r in script.value_accuracy(_next_token_model(len(tokenizer)), tokenizer, examples)
+            if r["argument"] == "payment (message)"]
     # one confirmation before each payment change; the call after it and the report are not message rows
     calls = [args for t in tasks for name, args in script.oracle_calls(
         expert_conversation("sinkflex/Retail-v0", "test", t)[0]) if name == "modify_pending_order_payment"]
@@ -166,8 +158,8 @@ def test_the_payment_methods_of_the_oracles_confirmations_are_rows_of_their_own(
     value = calls[0]["payment_method_id"]
     at = text.index(f"{value}. Proceed") + value.rindex("_") + 1
     first = starts.index(at)
-    Oracle.wrong = {first}
-    wrong = [r for r in script.value_accuracy(Oracle(), tokenizer, examples[:1]) if r["argument"] == "payment (message)"]
+    wrong = [r for r in script.value_accuracy(_next_token_model(len(tokenizer), {first}), tokenizer, examples[:1])
+             if r["argument"] == "payment (message)"]
     assert [(r["first"], r["rest"]) for r in wrong] == [(0.0, 1.0)]
     assert wrong[0]["origin"] == script._latest_of_prefix(text[:at - value.rindex("_") - 1], value)
 
