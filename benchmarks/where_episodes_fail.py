@@ -253,11 +253,12 @@ def _confirmed_payments(ids: torch.Tensor, loss_mask: torch.Tensor, pred: torch.
     before them say its source, as the customer named it). ``origin`` (:func:`_latest_of_prefix`) says
     whether another id with the same tokens right before its digits stands after it in the text before."""
     from sinkflex_core.envs.customer import CONFIRM_MARK
+    from sinkflex_core.models import IM_END, IM_START
 
     for found in PAYMENT_ID.finditer(text):
         value = found.group()
-        turn = text.rfind("<|im_start|>", 0, found.start())
-        end = text.find("<|im_end|>", found.end())
+        turn = text.rfind(IM_START, 0, found.start())
+        end = text.find(IM_END, found.end())
         if CONFIRM_MARK not in text[turn:end if end >= 0 else len(text)]:
             continue  # a call's argument (a row of ``payment_method_id``) or the report after the call
         at = found.start() + value.rindex("_") + 1  # the first digit
