@@ -287,7 +287,8 @@ def _listed(before: str, value: str) -> str:
     """Where the item id ``value`` stands in the last tool output of ``before`` that names it (see
     :func:`_confirmed_items`)."""
     for output in reversed(re.findall(r"<tool_response>(.*?)</tool_response>", before, re.S)):
-        listed = re.findall(r'"item_id":\s*"(\d+)"', output)
+        # an order's items are written {"Bookshelf": "<id>", ...}, a product's variants {"item_id": "<id>", ...}
+        listed = re.findall(r'"(?:item_id|[A-Z][\w -]*)":\s*"(\d+)"', output)
         if value in listed:
             return "first listed" if listed[0] == value else "listed later"
     return "new"

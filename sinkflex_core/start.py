@@ -33,6 +33,8 @@ Regenerate it (about seven and a half hours on 2 cores; each finished part is re
     python -m sinkflex_core.start                    # the first SFT stage alone
     python -m sinkflex_core.start --sink-stage       # the first stage, then a stage on the preset's sink attention
     python -m sinkflex_core.start --lookup-stage     # + two rounds drilling the tool calls' lookups
+    python -m sinkflex_core.start --from data/retail-tiny-start --return-stage --out runs/start/return_policy
+                                                     # the shipped start continued with the return stage
     python -m sinkflex_core.start --card-only        # rewrite README.md from the files in the folder
     python -m sinkflex_core.start --measure-only     # measure it again (e.g. after a reward change), then the card
 """
@@ -113,7 +115,7 @@ def estimate_sinks(policy_dir: str | Path) -> Path:
     return attention.save_layer_sinks(est, policy_dir)
 
 
-def _export(source: Path, out: Path, stages: list[Path]) -> None:
+def _export(source: Path, out: Path, stages: list[Path], base: Path | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name in POLICY_FILES:
         if (source / name).is_file():
@@ -121,7 +123,12 @@ def _export(source: Path, out: Path, stages: list[Path]) -> None:
     shutil.copy2(source / "sft_config.json", out / "sft_config.json")
     recipe = out / "recipe"
     recipe.mkdir(exist_ok=True)
-    for n, stage in enumerate(stages, 1):
+    carried = [label for label, _, _ in recipe_stages(base)] if base is not None else []
+    for label in carried:  # a start continued from another: its stages first, under their own names
+        for suffix in ("_config.json", "_history.csv"):
+            if (base / "recipe").resolve() != recipe.resolve():
+                shutil.copy2(base / "recipe" / f"{label}{suffix}", recipe / f"{label}{suffix}")
+    for n, stage in enumerate(stages, len(carried) + 1):
         shutil.copy2(stage / "sft_config.json", recipe / f"stage{n}_{stage.name}_config.json")
         shutil.copy2(stage / "sft_history.csv", recipe / f"stage{n}_{stage.name}_history.csv")
 
@@ -129,7 +136,7 @@ def _export(source: Path, out: Path, stages: list[Path]) -> None:
 #: The command's stage flags, each with the run folder of the stage it adds (as a recipe labels it).
 STAGE_FLAGS = (("identity-stage", "sft_identity"), ("lookup-stage", "sft_lookup"), ("zip-stage", "sft_zip_drills"),
                ("sink-stage", "sft_sink"), ("address-stage", "sft_address_drill"),
-               ("payment-stage", "sft_payment_drill"))
+               ("payment-stage", "sft_payment_drill"), ("return-stage", "sft_return_drill"))
 
 
 def recipe_flags(stages: list[tuple[str, dict, pd.DataFrame]]) -> list[str]:
@@ -265,6 +272,22 @@ PAYMENT_ROUND_TOOLS = "modify_pending_order_payment,modify_pending_order_address
 PAYMENT_RUNS = ((600, 0), (0, 600), (0, 600))
 
 
+#: The return stage (``build(return_stage=True)``), on top of the payment stage and in its form: the
+#: expert's confirmations of a return and its calls drilled alone, then rounds beside the episodes with
+#: short rows of the return, payment and address calls (:data:`RETURN_ROUND_TOOLS`). A return confirms
+#: each item by its name and id (``I will return the Tent 1234567890 (blue) ...``), the id copied from
+#: the order's record, where an item is written ``{"Tent": "1234567890", ...}``: the name two tokens before
+#: the id, which a small policy's previous-token heads reach (docs/experiments.md). The payment stage's
+#: start solved 1 of the 88 return episodes of the test tasks in that layout.
+RETURN_ROWS = {**ADDRESS_ROWS, "action_tools": "return_delivered_order_items"}
+RETURN_ROUND_TOOLS = ("return_delivered_order_items,modify_pending_order_payment,modify_pending_order_address,"
+                      "modify_user_address")
+#: The runs of the return stage, as :data:`ADDRESS_RUNS`. From the payment stage's start, on all 120 test
+#: tasks x 8 (docs/experiments.md): the drill and one round 0.438 with 7 of 88 returns, two rounds 0.461
+#: with 9 (0.450 and 1 before), 71 test tasks solved at least once (66 before).
+RETURN_RUNS = ((450, 0), (0, 600), (0, 600))
+
+
 def _short_row_config(name: str, rows: dict, round_tools: str, runs: tuple, n: int, base_dir: str | Path,
                       work_dir: str | Path, **run):
     drill, steps = runs[n]
@@ -291,6 +314,13 @@ def payment_config(n: int, base_dir: str | Path, work_dir: str | Path, **run):
                              **run)
 
 
+def return_config(n: int, base_dir: str | Path, work_dir: str | Path, **run):
+    """The :class:`~sinkflex_core.sft.SFTConfig` of run ``n`` of :data:`RETURN_RUNS`, as
+    :func:`payment_config`: ``work_dir/sft_return_drill`` (:data:`RETURN_ROWS`' return rows alone), then
+    ``work_dir/sft_returnN`` (short rows of :data:`RETURN_ROUND_TOOLS` beside the episodes)."""
+    return _short_row_config("return", RETURN_ROWS, RETURN_ROUND_TOOLS, RETURN_RUNS, n, base_dir, work_dir, **run)
+
+
 def sink_stage_config(base_dir: str | Path, out_dir: str | Path, **overrides):
     """The :class:`~sinkflex_core.sft.SFTConfig` of the sink stage: the saved config of the SFT run in
     ``base_dir``, continued from it (``init_from``) for :data:`SINK_STAGE_STEPS` steps with the sink
@@ -310,28 +340,54 @@ def sink_stage_config(base_dir: str | Path, out_dir: str | Path, **overrides):
     return sft.SFTConfig(**values)
 
 
+def check_base(base: Path, asked: list[str]) -> None:
+    """Raise ``ValueError`` unless ``base`` is a saved start that the stage flags ``asked`` can continue:
+    each of them a stage after the last of the stages it was made with."""
+    for name in ("model.safetensors", "sft_config.json"):
+        if not (base / name).is_file():
+            raise ValueError(f"{base} is not a saved start: it has no {name}")
+    flags = [f"--{flag}" for flag, _ in STAGE_FLAGS]
+    made = recipe_flags(recipe_stages(base))
+    last = max((flags.index(f) for f in made), default=-1)
+    early = [f for f in asked if flags.index(f) <= last]
+    if early:
+        raise ValueError(f"{base} was made with {' '.join(made)}: a start continued from it takes only the stages "
+                         f"after those, not {' '.join(early)}")
+
+
 def build(out: str | Path | None = None, work_dir: str | Path = "runs/start", threads: int = 0,
           test_samples: int = 8, screen_samples: int = 4, progress: bool = True,
           identity_stage: bool = False, sink_stage: bool = False, lookup_stage: bool = False,
           zip_stage: bool = False, address_stage: bool = False, payment_stage: bool = False,
-          device: str = "auto") -> Path:
+          return_stage: bool = False, device: str = "auto", base: str | Path | None = None) -> Path:
     """Train (or reuse) the SFT in ``work_dir`` (and, with ``identity_stage``, its second stage,
     :data:`sinkflex_core.sft.IDENTITY_STAGE`; with ``lookup_stage``, :data:`LOOKUP_ROUNDS` rounds of the
     stage that drills every lookup of a tool call's values, :data:`sinkflex_core.sft.LOOKUP_STAGE`; with ``zip_stage``, the zip code's drills
     :data:`ZIP_DRILLS` and the rounds :data:`ZIP_ROUND` after them; with ``sink_stage``, a last stage on the ``tiny-cpu``
     preset's sink attention, :func:`sink_stage_config`, whose sink counts are estimated on the stage before;
     with ``address_stage``, then the address calls' drill and rounds, :func:`address_config`, on those counts;
-    with ``payment_stage``, then the payment calls' drill and rounds, :func:`payment_config`),
+    with ``payment_stage``, then the payment calls' drill and rounds, :func:`payment_config`; with
+    ``return_stage``, then the return calls' drill and rounds, :func:`return_config`),
     copy the policy to ``out`` (default: :func:`start_dir`), estimate its sinks (a sink stage keeps the
     counts it trained with), measure it (``screen_samples`` 0: not the training tasks) and write its
     model card. ``device`` is where every stage trains (:attr:`sinkflex_core.sft.SFTConfig.device`; the
-    measurement plays on the CPU). Returns ``out``."""
+    measurement plays on the CPU). With ``base``, a saved start (e.g. the shipped one), the stages
+    continue from it instead of training the ones before (only the stages after its own may be asked;
+    its recipe is carried into ``out``'s). Returns ``out``."""
     from . import attention, sft
 
     out = Path(out) if out is not None else start_dir()
     work = Path(work_dir)
     run = dict(zip(sft.RUN_FIELDS, (threads, device, progress), strict=True))  # how each stage runs
-    stages = [sft.train_or_reuse(sft.SFTConfig(out_dir=str(work / "sft"), **run, **RECIPE))]
+    if base is not None:
+        base = Path(base)
+        if base.resolve() == out.resolve():
+            raise ValueError(f"a start continued from {base} goes to another folder (out)")
+        check_base(base, [f"--{flag}" for (flag, _), wanted in zip(STAGE_FLAGS, (
+            identity_stage, lookup_stage, zip_stage, sink_stage, address_stage, payment_stage, return_stage),
+            strict=True) if wanted])
+    stages = [base] if base is not None else [sft.train_or_reuse(sft.SFTConfig(out_dir=str(work / "sft"), **run,
+                                                                                **RECIPE))]
     if identity_stage:
         stages.append(sft.train_or_reuse(sft.identity_stage(stages[0], work / "sft_identity", **run)))
     if lookup_stage:  # twice: the second round without the warm-ups (docs/experiments.md)
@@ -350,7 +406,8 @@ def build(out: str | Path | None = None, work_dir: str | Path = "runs/start", th
         stages.append(sft.train_or_reuse(sink_stage_config(stages[-1], work / "sft_sink", **run)))
         (stages[-1] / attention.SINKS_FILENAME).write_bytes((stages[-2] / attention.SINKS_FILENAME).read_bytes())
     for wanted, config, runs in ((address_stage, address_config, ADDRESS_RUNS),
-                                 (payment_stage, payment_config, PAYMENT_RUNS)):
+                                 (payment_stage, payment_config, PAYMENT_RUNS),
+                                 (return_stage, return_config, RETURN_RUNS)):
         if not wanted:
             continue
         if not (stages[-1] / attention.SINKS_FILENAME).is_file():
@@ -359,8 +416,8 @@ def build(out: str | Path | None = None, work_dir: str | Path = "runs/start", th
         for n in range(len(runs)):  # each config read from the saved config of the run before it
             stages.append(sft.train_or_reuse(config(n, stages[-1], work, **run)))
             (stages[-1] / attention.SINKS_FILENAME).write_bytes(counts)  # the counts every run trained with
-    _export(stages[-1], out, stages)
-    if not (sink_stage or address_stage or payment_stage):
+    _export(stages[-1], out, stages[1:] if base is not None else stages, base)
+    if not (sink_stage or address_stage or payment_stage or return_stage or base is not None):
         estimate_sinks(out)
     measure(out, test_samples, screen_samples, progress)
     write_card(out)
@@ -583,6 +640,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--payment-stage", action="store_true",
                    help="then drill the payment method the customer names and recover the episodes in rounds, "
                         "on the preset's sink attention")
+    p.add_argument("--return-stage", action="store_true",
+                   help="then drill the return of the items the customer names and recover the episodes in "
+                        "rounds, on the preset's sink attention")
+    p.add_argument("--from", dest="base", default=None, metavar="FOLDER",
+                   help="continue a saved start (e.g. data/retail-tiny-start) with the stages asked after its "
+                        "own, instead of training from scratch")
     p.add_argument("--card-only", action="store_true", help="only rewrite README.md from the folder's files")
     p.add_argument("--measure-only", action="store_true",
                    help="train nothing: measure the start in the folder again where its files were made with "
@@ -603,6 +666,12 @@ def main(argv: list[str] | None = None) -> int:
         SFTConfig(device=args.device).torch_device()
     except ConfigError as err:
         p.error(f"--device: {err}")
+    if args.base:  # before the hours of training
+        try:
+            check_base(Path(args.base), [f"--{flag}" for flag, _ in STAGE_FLAGS
+                                         if getattr(args, flag.replace("-", "_"))])
+        except ValueError as err:
+            p.error(f"--from: {err}")
     if args.card_only:
         print(write_card(Path(args.out) if args.out else start_dir()))
         return 0
@@ -624,6 +693,8 @@ def main(argv: list[str] | None = None) -> int:
     if (out_dir / "model.safetensors").is_file() and (out_dir / "recipe").is_dir():
         made_by = recipe_flags(recipe_stages(out_dir))
         asked = [f"--{flag}" for flag, _ in STAGE_FLAGS if getattr(args, flag.replace("-", "_"))]
+        if args.base:
+            asked = recipe_flags(recipe_stages(Path(args.base))) + asked
         if asked != made_by:  # hours of training that would end by replacing another start
             p.error(f"{out_dir} holds a start made with {' '.join(made_by) or 'no stage flag'}; these flags "
                     f"({' '.join(asked) or 'none'}) would replace it with another: give --out a new folder "
@@ -635,7 +706,8 @@ def main(argv: list[str] | None = None) -> int:
     out = build(args.out, args.work_dir, args.threads, args.test_samples, args.screen_samples,
                 progress=not args.no_progress, identity_stage=args.identity_stage, sink_stage=args.sink_stage,
                 lookup_stage=args.lookup_stage, zip_stage=args.zip_stage, address_stage=args.address_stage,
-                payment_stage=args.payment_stage, device=args.device)
+                payment_stage=args.payment_stage, return_stage=args.return_stage, device=args.device,
+                base=args.base)
     print(out)
     return 0
 

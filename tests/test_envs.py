@@ -32,7 +32,10 @@ from sinkflex_core.envs import (
 )
 from sinkflex_core.envs.oracle import DoNothingAgent, RandomAgent
 from sinkflex_core.envs.retail_tasks import generate_tasks
+from sinkflex_core.envs.retail_tools import order_items
 from sinkflex_core.envs.retail_world import generate_world
+from sinkflex_core.models import get_tokenizer, load_tokenizer
+from sinkflex_core.start import start_dir
 
 
 @pytest.fixture(scope="module")
@@ -140,12 +143,18 @@ def test_read_tools(world):
     details = json.loads(_call(tools, "get_user_details", user_id=user["user_id"]))
     assert details["orders"] == user["order_ids"]
     assert [p["id"] for p in details["payment_methods"]] == user["payment_method_ids"]
-    order = json.loads(_call(tools, "get_order_details", order_id=user["order_ids"][0]))
-    assert [i["item_id"] for i in order["items"]] == world.data.orders[user["order_ids"][0]]["items"]
-    # each item's id right after its name (a small policy reads an item's id by its name there)
-    assert all(list(i)[:2] == ["name", "item_id"] for i in order["items"])
-    product = json.loads(_call(tools, "get_product_details", product_id=order["items"][0]["product_id"]))
-    assert order["items"][0]["item_id"] in [v["item_id"] for v in product["variants"]]
+    record = _call(tools, "get_order_details", order_id=user["order_ids"][0])
+    items = order_items(json.loads(record))
+    assert [i["item_id"] for i in items] == world.data.orders[user["order_ids"][0]]["items"]
+    assert [i["name"] for i in items] == [world.data.products[world.data.variants[i["item_id"]]["product_id"]]["name"]
+                                          for i in items]
+    # each item's id is the value of its name, two tokens after it (a small policy's previous-token
+    # heads reach that far back, so it can read an item's id by its name)
+    for tok in (get_tokenizer(), load_tokenizer(str(start_dir()))):  # a fresh one and the shipped start's
+        for item in items:
+            _name_two_tokens_before_id(tok, record, item)
+    product = json.loads(_call(tools, "get_product_details", product_id=items[0]["product_id"]))
+    assert items[0]["item_id"] in [v["item_id"] for v in product["variants"]]
     assert len(json.loads(_call(tools, "list_all_product_types"))) == 50
     assert _call(tools, "calculate", expression="(10 + 2.5) * 2") == "25.00"
     assert _call(tools, "calculate", expression="__import__('os')").startswith("Error")
@@ -153,6 +162,15 @@ def test_read_tools(world):
     for overflow in ("1e999", "-1e999", "1e999 - 1e999"):  # infinity, not-a-number: refused
         assert _call(tools, "calculate", expression=overflow) == "Error: number too large"
     assert _call(tools, "get_order_details", order_id="#W0000000") == "Error: order not found"
+
+
+def _name_two_tokens_before_id(tok, record: str, item: dict) -> None:
+    spans = tok(record, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    name_last = record.index(f'"{item["name"]}":"{item["item_id"]}"') + len(item["name"])  # its last letter
+    id_first = record.index(item["item_id"], name_last)
+    name_token = next(n for n, (a, b) in enumerate(spans) if a <= name_last < b)
+    id_token = next(n for n, (a, b) in enumerate(spans) if a <= id_first < b)
+    assert id_token - name_token == 2, (item, [record[a:b] for a, b in spans[name_token:id_token + 1]])
 
 
 def test_write_tools_refuse_without_change(world):
@@ -206,7 +224,7 @@ def test_modify_items_once_and_unavailable(world):
     out = _call(tools, "modify_pending_order_items", new_item_ids=[avail[0]["item_id"]], **args)
     assert "modified" in out
     details = json.loads(_call(tools, "get_order_details", order_id=order["order_id"]))
-    assert details["status"] == "pending (item modified)" and details["items"][0]["item_id"] == avail[0]["item_id"]
+    assert details["status"] == "pending (item modified)" and order_items(details)[0]["item_id"] == avail[0]["item_id"]
     diff = avail[0]["price_cents"] - variant["price_cents"]
     if diff:
         assert details["payment_history"][-1]["amount"] == round(abs(diff) / 100, 2)

@@ -226,6 +226,69 @@ def test_the_payment_stage_follows_the_address_stage_and_its_rounds_keep_the_add
         ["--sink-stage", "--address-stage", "--payment-stage"]
 
 
+def test_the_return_stage_continues_a_saved_start_and_its_rounds_keep_the_payment_and_address_rows(
+        tmp_path, trained_stages):
+    import shutil
+    from pathlib import Path
+
+    base = tmp_path / "base"
+    shutil.copytree(SHIPPED, base)
+    trained = trained_stages
+    start.build(tmp_path / "start", tmp_path / "work", threads=1, progress=False, return_stage=True, base=base)
+    assert [Path(c.out_dir).name for c in trained] == ["sft_return_drill", "sft_return1", "sft_return2"]
+    assert trained[0].init_from == str(base) and all(b.init_from == a.out_dir for a, b in zip(trained, trained[1:]))
+    assert [(c.short_warmup_steps, c.max_steps, c.eval_every) for c in trained] == [(450, 0, 1), (0, 600, 600),
+                                                                                   (0, 600, 600)]
+    assert trained[0].action_tools == "return_delivered_order_items"
+    assert [set(c.action_tools.split(",")) for c in trained[1:]] == [
+        {"return_delivered_order_items", "modify_pending_order_payment", "modify_pending_order_address",
+         "modify_user_address"}] * 2
+    for c in trained:  # the shipped start's sink attention and counts, in every run
+        assert c.attention == "sinkflex" and c.action_confirmations and c.short_action_rows == 4
+        assert (Path(c.out_dir) / A.SINKS_FILENAME).read_bytes() == (base / A.SINKS_FILENAME).read_bytes()
+    # refused before any training: a stage the saved start has, its own folder as out, a folder with no start
+    trained.clear()
+    with pytest.raises(ValueError, match="not --payment-stage"):
+        start.build(tmp_path / "start", tmp_path / "work", payment_stage=True, return_stage=True, base=base)
+    with pytest.raises(ValueError, match="another folder"):
+        start.build(base, tmp_path / "work", return_stage=True, base=base)
+    with pytest.raises(ValueError, match="no model.safetensors"):
+        start.build(tmp_path / "start", tmp_path / "work", return_stage=True, base=tmp_path / "work")
+    assert trained == []
+
+
+def test_a_start_continued_from_another_carries_its_recipe_and_names_every_flag(tmp_path):
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(SHIPPED, base)
+    runs = []
+    for name in ("sft_return_drill", "sft_return1"):  # two stages as train_or_reuse leaves them
+        runs.append(tmp_path / "work" / name)
+        shutil.copytree(SHIPPED, runs[-1], ignore=shutil.ignore_patterns("recipe", "*.csv", "README.md"))
+        (runs[-1] / "sft_history.csv").write_text("step\n")
+    start._export(runs[-1], tmp_path / "out", runs, base)
+    carried = [label for label, _, _ in start.recipe_stages(base)]
+    labels = [label for label, _, _ in start.recipe_stages(tmp_path / "out")]
+    n = len(carried)
+    assert labels == carried + [f"stage{n + 1}_sft_return_drill", f"stage{n + 2}_sft_return1"]
+    assert start.recipe_flags(start.recipe_stages(tmp_path / "out")) == \
+        start.recipe_flags(start.recipe_stages(base)) + ["--return-stage"]
+
+
+def test_from_refuses_a_folder_that_is_no_start_or_an_earlier_stage_before_any_work(tmp_path, monkeypatch, capsys):
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before --from was checked")
+
+    monkeypatch.setattr(start, "build", no_work)
+    for base, flags, said in ((tmp_path, ["--return-stage"], "no model.safetensors"),
+                              (SHIPPED, ["--sink-stage", "--return-stage"], "not --sink-stage")):
+        with pytest.raises(SystemExit) as exc:
+            start.main(["--from", str(base), "--out", str(tmp_path / "new"), *flags])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "--from" in err and said in err, err
+
+
 def test_the_card_counts_a_drill_of_short_rows_and_a_stage_without_evaluation(tmp_path):
     import json
     import shutil

@@ -127,7 +127,7 @@ def test_the_item_ids_of_the_oracles_confirmations_are_rows_of_their_own(script,
 
 
 def test_a_confirmed_item_is_placed_in_the_last_record_that_lists_it(script):
-    record = '<tool_response>\n{"items":[{"name":"Lamp","item_id":"111"},{"name":"Kettle","item_id":"222"}]}\n</tool_response>'
+    record = '<tool_response>\n{"items":[{"Lamp":"111","product_id":"9"},{"Kettle":"222","product_id":"8"}]}\n</tool_response>'
     variants = '<tool_response>\n{"variants":{"333":{"item_id":"333"},"111":{"item_id":"111"}}}\n</tool_response>'
     assert script._listed(record, "111") == "first listed"
     assert script._listed(record, "222") == "listed later"

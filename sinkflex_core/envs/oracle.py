@@ -20,6 +20,7 @@ import gymnasium as gym
 from .base import ScriptedExpert, format_tool_call, parse_action
 from .customer import CONFIRM_MARK, STOP
 from .retail_tasks import parse_identity, parse_request
+from .retail_tools import order_items
 
 ASK_IDENTITY = "Sure. Please tell me your email, or your name and zip code."
 ASK_REQUEST = "How can I help you?"
@@ -110,6 +111,7 @@ class RetailOracle(ScriptedExpert):
         if out.startswith("Error"):
             return (yield f"Sorry, I cannot find order {oid}.")
         order = json.loads(out)
+        order["items"] = order_items(order)
         if order["user_id"] != uid:
             return (yield f"Sorry, order {oid} is not in your account.")
         status = order["status"]

@@ -4,6 +4,13 @@ Every tool returns a string: compact JSON for records, a short sentence for writ
 for refusals and bad calls. Arguments are checked against the tool's schema before any SQL runs, and
 every write validates everything first and then writes in one transaction, so a refused call leaves
 the database exactly as it was. All SQL is parameterised: argument text is never part of a statement.
+
+The tools, their arguments and their checks are those of tau-bench's retail domain. One record is laid
+out differently: ``get_order_details`` writes each item with its name as the key of its id,
+``{"Bookshelf": "2552978718", "product_id": ..., "price": ..., "options": {...}}`` (tau-bench: ``"name":
+"Bookshelf", "product_id": ..., "item_id": "2552978718"``), so that the name stands two tokens before the
+id. The small policies trained here copy an item's id by its name only at that distance, the reach of
+their previous-token heads (docs/experiments.md); :func:`order_items` reads the record back.
 """
 
 from __future__ import annotations
@@ -74,6 +81,20 @@ WRITE_TOOLS = ("cancel_pending_order", "modify_pending_order_address", "modify_p
                "exchange_delivered_order_items")
 _SCHEMA_BY_NAME = {t["function"]["name"]: t["function"]["parameters"] for t in TOOL_SCHEMAS}
 
+
+
+ITEM_FIELDS = ("product_id", "price", "options")
+
+
+def order_items(order: dict) -> list[dict]:
+    """The items of a ``get_order_details`` record, each as ``{"name", "item_id", "product_id", "price",
+    "options"}``. The record writes an item as ``{"Bookshelf": "2552978718", "product_id": ..., "price": ...,
+    "options": ...}``: its name is the key of its id."""
+    items = []
+    for entry in order["items"]:
+        (name, item_id), = [(k, v) for k, v in entry.items() if k not in ITEM_FIELDS]
+        items.append({"name": name, "item_id": item_id, **{k: entry[k] for k in ITEM_FIELDS}})
+    return items
 
 class ToolError(Exception):
     """A refusal or a bad call: becomes an ``Error: ...`` observation."""
@@ -343,8 +364,9 @@ class RetailTools(SQLTools):
             name, options = self.conn.execute(
                 "SELECT p.name, v.options FROM variants v JOIN products p USING (product_id) WHERE v.item_id = ?",
                 (iid,)).fetchone()
-            items.append({"name": name, "item_id": iid, "product_id": pid, "price": _dollars(price),
-                          "options": json.loads(options)})
+            # the item's name is its key and its id the value, so the name stands right before the id
+            # (two tokens): a small model picks an item by its name this way (docs/retail_domain.md)
+            items.append({name: iid, "product_id": pid, "price": _dollars(price), "options": json.loads(options)})
         out = {"order_id": oid, "user_id": uid, "status": status,
                "address": dict(zip(ADDRESS_FIELDS, (a1, a2, city, state, country, zip_))), "items": items,
                "fulfillments": [{"tracking_id": t, "item_ids": json.loads(ids)} for t, ids in self.conn.execute(
