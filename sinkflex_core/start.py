@@ -124,10 +124,9 @@ def _export(source: Path, out: Path, stages: list[Path], base: Path | None = Non
     recipe = out / "recipe"
     recipe.mkdir(exist_ok=True)
     carried = [label for label, _, _ in recipe_stages(base)] if base is not None else []
-    for label in carried:  # a start continued from another: its stages first, under their own names
+    for label in carried:  # a start continued from another (never its own out): its stages first, as named there
         for suffix in ("_config.json", "_history.csv"):
-            if (base / "recipe").resolve() != recipe.resolve():
-                shutil.copy2(base / "recipe" / f"{label}{suffix}", recipe / f"{label}{suffix}")
+            shutil.copy2(base / "recipe" / f"{label}{suffix}", recipe / f"{label}{suffix}")
     for n, stage in enumerate(stages, len(carried) + 1):
         shutil.copy2(stage / "sft_config.json", recipe / f"stage{n}_{stage.name}_config.json")
         shutil.copy2(stage / "sft_history.csv", recipe / f"stage{n}_{stage.name}_history.csv")

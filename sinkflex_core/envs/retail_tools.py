@@ -81,8 +81,6 @@ WRITE_TOOLS = ("cancel_pending_order", "modify_pending_order_address", "modify_p
                "exchange_delivered_order_items")
 _SCHEMA_BY_NAME = {t["function"]["name"]: t["function"]["parameters"] for t in TOOL_SCHEMAS}
 
-
-
 ITEM_FIELDS = ("product_id", "price", "options")
 
 
@@ -95,6 +93,7 @@ def order_items(order: dict) -> list[dict]:
         (name, item_id), = [(k, v) for k, v in entry.items() if k not in ITEM_FIELDS]
         items.append({"name": name, "item_id": item_id, **{k: entry[k] for k in ITEM_FIELDS}})
     return items
+
 
 class ToolError(Exception):
     """A refusal or a bad call: becomes an ``Error: ...`` observation."""
@@ -364,8 +363,7 @@ class RetailTools(SQLTools):
             name, options = self.conn.execute(
                 "SELECT p.name, v.options FROM variants v JOIN products p USING (product_id) WHERE v.item_id = ?",
                 (iid,)).fetchone()
-            # the item's name is its key and its id the value, so the name stands right before the id
-            # (two tokens): a small model picks an item by its name this way (docs/retail_domain.md)
+            # the name as the key of the id: two tokens before it (see the module's docstring)
             items.append({name: iid, "product_id": pid, "price": _dollars(price), "options": json.loads(options)})
         out = {"order_id": oid, "user_id": uid, "status": status,
                "address": dict(zip(ADDRESS_FIELDS, (a1, a2, city, state, country, zip_))), "items": items,
