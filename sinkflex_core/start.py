@@ -665,10 +665,10 @@ def main(argv: list[str] | None = None) -> int:
         SFTConfig(device=args.device).torch_device()
     except ConfigError as err:
         p.error(f"--device: {err}")
+    asked = [f"--{flag}" for flag, _ in STAGE_FLAGS if getattr(args, flag.replace("-", "_"))]
     if args.base:  # before the hours of training
         try:
-            check_base(Path(args.base), [f"--{flag}" for flag, _ in STAGE_FLAGS
-                                         if getattr(args, flag.replace("-", "_"))])
+            check_base(Path(args.base), asked)
         except ValueError as err:
             p.error(f"--from: {err}")
     if args.card_only:
@@ -691,7 +691,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if (out_dir / "model.safetensors").is_file() and (out_dir / "recipe").is_dir():
         made_by = recipe_flags(recipe_stages(out_dir))
-        asked = [f"--{flag}" for flag, _ in STAGE_FLAGS if getattr(args, flag.replace("-", "_"))]
         if args.base:
             asked = recipe_flags(recipe_stages(Path(args.base))) + asked
         if asked != made_by:  # hours of training that would end by replacing another start
