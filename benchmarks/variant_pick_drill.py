@@ -22,7 +22,7 @@ Layouts of one variant in the record (``--layouts``):
 red, classic <id>" (``tight``: "red classic"), so that the values the pick rests on stand right before the
 id, as they do in the record, and as the item's name stands before its id in an order's record.
 
-Each arm starts from the policy's weights with full attention (the rows, 440-520 tokens, are shorter
+Each arm starts from the policy's weights with full attention (the rows, 440-690 tokens, are shorter
 than the shipped start's window), trains on ``--rows`` fresh rows a step (AdamW, lr 1e-3 falling to 0.3
 of it on a cosine), and is checked every ``--every`` steps on ``--eval-rows`` fixed rows: the id's first
 token (argmax) right, the whole id right (teacher-forced), the first token of the customer's old item
@@ -33,14 +33,13 @@ among them; ``wrong_same_last`` counts the wrong picks that share the last value
 
     python benchmarks/variant_pick_drill.py --phrase for --layouts each          # ~11 min on 2 cores
     python benchmarks/variant_pick_drill.py --layouts joined,tight,each          # ~30 min
-    python benchmarks/variant_pick_drill.py --layouts tight --steps 1500 --csv data/variant_pick_drill.csv
+    python benchmarks/variant_pick_drill.py --layouts tight --steps 1500 --csv data/variant_pick_drill_tight1500.csv
     python benchmarks/variant_pick_drill.py --steps 2 --every 1 --rows 2 --eval-rows 4   # smoke run
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import json
 import math
@@ -251,15 +250,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.set_num_threads(args.threads)
     results = [row for layout in layouts for row in run_arm(layout, args)]
     if args.csv:
+        import pandas as pd
+
         from sinkflex_core.provenance import provenance
 
         prov = provenance(seed=args.seed, threads=torch.get_num_threads(), rows=args.rows, lr=args.lr,
                           policy=Path(args.policy).name)
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(results[0]) + list(prov))
-            w.writeheader()
-            for r in results:
-                w.writerow({**r, **prov})
+        pd.DataFrame([{**r, **prov} for r in results]).to_csv(args.csv, index=False)
         print(f"written: {args.csv}")
     return results
 

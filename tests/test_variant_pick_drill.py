@@ -4,6 +4,7 @@ training, and its CSV."""
 from __future__ import annotations
 
 import csv
+import json
 import random
 from types import SimpleNamespace
 
@@ -42,11 +43,11 @@ def test_the_asked_values_stand_before_the_id_in_the_record(script, tok, layout)
     """The layouts the drill compares put the last option value two tokens before the id (the name of
     an order's item stands there too); the world's record puts the options after it."""
     record = script.variant_record({"color": "red", "style": "classic"}, "6079918521", True, 271.53, layout)
-    text = script.json.dumps(record, separators=(",", ":"))
+    text = json.dumps(record, separators=(",", ":"))
     pieces = tok.convert_ids_to_tokens(tok(text, add_special_tokens=False)["input_ids"])
     ids_at = [i for i, p in enumerate(pieces) if p.startswith("607")]
     assert [pieces[i - 2] for i in ids_at] == (["red", "classic"] if layout == "each" else ["classic"])
-    world_text = script.json.dumps(script.variant_record({"color": "red", "style": "classic"}, "6079918521", True,
+    world_text = json.dumps(script.variant_record({"color": "red", "style": "classic"}, "6079918521", True,
                                                          271.53, "world"))
     assert world_text.index("6079918521") < world_text.index("classic")
     with pytest.raises(ValueError, match="unknown layout"):
